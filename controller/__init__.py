@@ -1,0 +1,1 @@
+"""Hardware-aware budget controller: cost model, calibration, profiler and adaptive stopping policy."""

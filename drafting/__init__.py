@@ -1,0 +1,1 @@
+"""Drafters: components that propose candidate continuations (marginals or candidate trees)."""

@@ -1,0 +1,1 @@
+"""Decoding engine: target loading, tree building, verification and the generation loop."""

@@ -1,0 +1,74 @@
+"""Sampling parameters and the target's processed next-token distribution."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters.
+
+    temperature: 0 means greedy (argmax); > 0 samples from the processed distribution.
+    top_p: nucleus mass in (0, 1]; top_k: 0 disables, otherwise keep the k most likely tokens.
+    max_tokens: hard cap on generated tokens (bonus tokens included).
+    stop: strings that end generation; the stop string itself is not returned.
+    seed: seeds the request's own generator (None: nondeterministic).
+    ignore_eos: keep generating past EOS (benchmarks).
+
+    Raises ValueError from `validate` on out-of-range values.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if not (0.0 <= self.temperature <= 2.0):
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target distribution after temperature, top-k and top-p, as probabilities.
+
+    logits: [..., V] float. Returns [..., V] float32 probabilities summing to 1.
+    Same processing order as transformers' sampling warpers (temperature, top-k, top-p).
+    """
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; always keep the first.
+        drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from one row of logits [V]: argmax when greedy, else one exact sample."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = processed_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
