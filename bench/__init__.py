@@ -1,0 +1,1 @@
+"""Benchmark harness: prompt sets (``bench.datasets``) and the side-by-side mode runner."""
