@@ -1,0 +1,197 @@
+"""The budget controller: one object the engine asks, per decoding step, how to draft and how big a tree.
+
+Per step the engine calls, in order:
+    if controller.should_draft():
+        marginals = controller.correct(drafter.propose(...))      # identity unless correction is on
+        tree = build_tree(root, marginals, controller.policy_for_step(c), max_depth)
+        ... verify, accept ...
+        controller.record_step(tree.size, c, verify_s, draft_s, other_s, tree.a_hat, accepted,
+                               depth_mass=depth_mass(tree.depths, tree.log_scores, max_depth))
+    else:
+        ... plain decoding step ...
+        controller.record_step(1, c, verify_s, 0.0, other_s, 1.0, 1, drafted=False)
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+
+from controller.calibration import CalibrationGrid, CalibrationResult, MeasureFn, calibrate
+from controller.gate import SpeculationGate
+from controller.latency_model import LatencyModel
+from controller.metrics import TABLE_S, controller_metrics
+from controller.policy import AdaptivePolicy, PolicySettings, default_settings
+from controller.profiler import OnlineProfiler, RunningMean
+from controller.surrogate import SurrogateCalibrator
+from drafting.base import Marginals
+
+log = logging.getLogger(__name__)
+
+
+class BudgetController:
+    """Owns the latency model, the running step-time estimates, the AR gate and the surrogate check.
+
+    model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
+    calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
+    registry (default controller.metrics.REGISTRY). surrogate_correction: apply the per-depth
+    scale to marginals in `correct` (off by default). max_depth: drafter depth (block size - 1).
+    t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
+    refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
+    background refit. gate: a SpeculationGate (default one). table_every: steps between updates
+    of the latency-table and online-error gauges.
+    """
+
+    def __init__(self, model: LatencyModel, settings: PolicySettings | None = None, *,
+                 calibration_points: Sequence[tuple[int, int, float]] = (), registry: CollectorRegistry | None = None,
+                 surrogate_correction: bool = False, max_depth: int = 15, t_draft_init: float = 0.0,
+                 t_other_init: float = 0.0, refit_threshold: float = 0.15, refit_window: int = 64,
+                 history: int = 512, gate: SpeculationGate | None = None, table_every: int = 16,
+                 heldout_mape: float | None = None):
+        self.settings = settings or default_settings("cpu")
+        self.metrics = controller_metrics(registry)
+        self.profiler = OnlineProfiler(model, calibration_points, history=history, window=refit_window,
+                                       threshold=refit_threshold, on_refit=self._on_refit)
+        self.profiler.t_draft.value = t_draft_init
+        self.profiler.t_other.value = t_other_init
+        self.gate = gate or SpeculationGate()
+        self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
+        self._ar_overhead = RunningMean(0.1)
+        self.table_every = table_every
+        self.steps = 0
+        self.calibration: CalibrationResult | None = None
+        self._costs: list[float] = []
+        self._costs_key: tuple[int, int] | None = None
+        self.metrics.set_params(model.params)
+        if heldout_mape is not None:
+            self.metrics.fit_error.labels(kind="calibration_heldout").set(heldout_mape)
+        self.metrics.drafting.set(1)
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_calibration(cls, result: CalibrationResult, settings: PolicySettings | None = None,
+                         device: torch.device | str = "cpu", **kwargs) -> "BudgetController":
+        """Controller from a CalibrationResult; settings default to the device's (CPU_SETTINGS / GPU_SETTINGS)."""
+        return cls(result.model(), settings or default_settings(device), calibration_points=result.points,
+                   heldout_mape=result.heldout_mape, **kwargs)
+
+    @classmethod
+    def from_target(cls, config, dtype: torch.dtype, measure_fn: MeasureFn, *, device: torch.device | str = "cpu",
+                    model_name: str | None = None, attn_backend: str | None = None,
+                    cache_dir: Path | str | None = None, grid: CalibrationGrid | None = None,
+                    max_context: int | None = None, progress: bool = True, settings: PolicySettings | None = None,
+                    **kwargs) -> "BudgetController":
+        """Calibrate (or load the matching cache) for a loaded target, then build the controller.
+
+        config: target.model.config; dtype: target.dtype; measure_fn(s, c) -> seconds of one
+        target forward (see controller.forward_timer.hf_forward_timer). Other keywords go to
+        `calibrate` (model_name, attn_backend, cache_dir, grid, max_context, progress) or to
+        the constructor (kwargs). Raises ValueError for an unsupported config or a failed fit.
+        """
+        result = calibrate(measure_fn, config, dtype, grid, model_name=model_name, device=device,
+                           attn_backend=attn_backend, cache_dir=cache_dir, max_context=max_context, progress=progress)
+        ctl = cls.from_calibration(result, settings, device, **kwargs)
+        ctl.calibration = result
+        return ctl
+
+    # ---- per-step API -----------------------------------------------------------------
+
+    @property
+    def model(self) -> LatencyModel:
+        """The current latency model (replaced by background refits)."""
+        return self.profiler.model
+
+    @property
+    def t_draft(self) -> float:
+        """Running estimate of the drafter's pass, seconds."""
+        return self.profiler.t_draft.value
+
+    @property
+    def t_other(self) -> float:
+        """Running estimate of a speculative step's overhead beyond draft and verify, seconds."""
+        return self.profiler.t_other.value
+
+    def verify_costs(self, context_len: int) -> list[float]:
+        """[max_nodes + 1] C(n) seconds at context_len, cached until the context or the model changes."""
+        key = (context_len, id(self.profiler.model))
+        if key != self._costs_key:
+            self._costs = self.profiler.model.verify_costs(self.settings.max_nodes, context_len)
+            self._costs_key = key
+        return self._costs
+
+    def policy_for_step(self, context_len: int) -> AdaptivePolicy:
+        """The stopping policy for a step whose target cache holds context_len tokens."""
+        st = self.settings
+        return AdaptivePolicy(self.verify_costs(context_len), self.t_draft + self.t_other,
+                              st.min_nodes, st.max_nodes, st.bucket, st.top_k)
+
+    def should_draft(self) -> bool:
+        """False when drafting currently costs more than it buys: decode this step plainly."""
+        return self.gate.should_draft()
+
+    def correct(self, marginals: Marginals) -> Marginals:
+        """Surrogate correction of the drafter's marginals (identity unless enabled)."""
+        return self.surrogate.correct(marginals)
+
+    def ar_step_seconds(self, context_len: int) -> float:
+        """Expected seconds of one plain decoding step at context_len: C(1, c) plus measured AR overhead."""
+        return self.verify_costs(context_len)[1] + self._ar_overhead.value
+
+    def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
+                    accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None) -> None:
+        """Feed one finished step to the profiler, the AR gate, the surrogate check and the metrics.
+
+        s: tokens verified (tree size, root included; 1 for a plain step); c: cached tokens
+        before the step; verify_s / draft_s / other_s: seconds; a_hat: the tree's surrogate;
+        accepted: tokens committed, bonus included; drafted: False for a plain step;
+        depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability.
+        Never blocks: a refit, when due, runs in a background thread.
+        """
+        costs = self.verify_costs(c)
+        predicted = costs[s] if s < len(costs) else self.model.predict(s, c)
+        self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
+        if drafted:
+            step_s = max(draft_s + verify_s + other_s, 1e-12)
+            self.gate.record(True, accepted * self.ar_step_seconds(c) / step_s)
+            self.surrogate.record(a_hat, accepted, depth_mass)
+        else:
+            self._ar_overhead.add(verify_s + other_s - costs[1])
+            self.gate.record(False)
+        self.steps += 1
+        m = self.metrics
+        m.steps.labels(mode="draft" if drafted else "plain").inc()
+        m.tree_size.observe(s)
+        m.accepted.observe(accepted)
+        m.verify_measured.observe(verify_s)
+        m.verify_last.labels(kind="measured").set(verify_s)
+        m.verify_last.labels(kind="predicted").set(predicted)
+        if verify_s > 0:
+            m.verify_ratio.observe(predicted / verify_s)
+        m.t_draft.set(self.t_draft)
+        m.t_other.set(self.t_other)
+        m.drafting.set(1 if self.gate.should_draft() else 0)
+        if self.steps % self.table_every == 0:
+            self.update_table(c)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %s n=%d c=%d A_hat=%.3f accepted=%d verify predicted=%.3f ms measured=%.3f ms "
+                      "draft=%.3f ms other=%.3f ms", self.steps, "draft" if drafted else "plain", s, c, a_hat,
+                      accepted, predicted * 1e3, verify_s * 1e3, draft_s * 1e3, other_s * 1e3)
+
+    def update_table(self, context_len: int) -> None:
+        """Refresh the latency-table gauge at context_len and the online error gauge."""
+        m = self.metrics
+        m.context.set(context_len)
+        m.set_table(TABLE_S, self.model.predict(np.asarray(TABLE_S), np.full(len(TABLE_S), context_len)))
+        err = self.profiler.recent_mape()
+        if err == err:  # not nan
+            m.fit_error.labels(kind="online").set(err)
+
+    def _on_refit(self, model: LatencyModel, err_before: float, err_after: float) -> None:
+        self.metrics.set_params(model.params)
+        self.metrics.refits.inc()
+        self.metrics.fit_error.labels(kind="online").set(err_after)

@@ -1,0 +1,155 @@
+"""Calibrated roofline latency model C(s, c) and its least-squares fit (SPEC section 5).
+
+C(s, c) = max(alpha_c * FLOPs(s, c) / P + beta_c, alpha_m * Bytes(s, c) / BW + beta_m)
+
+FLOPs and Bytes come from `ModelShape`; P and BW from `Ceilings`; the four alpha/beta are
+fitted to measured target forwards with scipy.optimize.curve_fit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy.optimize import curve_fit
+
+from controller.ceilings import Ceilings
+from controller.cost_model import ModelShape
+
+PARAM_NAMES = ("alpha_c", "beta_c", "alpha_m", "beta_m")
+
+
+@dataclass(frozen=True)
+class LatencyParams:
+    """The four fitted numbers. alphas: dimensionless efficiency factors (>= 0);
+    betas: fixed overheads in seconds (>= 0)."""
+
+    alpha_c: float
+    beta_c: float
+    alpha_m: float
+    beta_m: float
+
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        return (self.alpha_c, self.beta_c, self.alpha_m, self.beta_m)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LatencyParams":
+        """Raises KeyError when a parameter is missing, ValueError when one is not finite."""
+        vals = [float(d[k]) for k in PARAM_NAMES]
+        if not all(math.isfinite(v) for v in vals):
+            raise ValueError(f"non-finite latency parameters {vals}")
+        return cls(*vals)
+
+
+def _roofline(x, alpha_c, beta_c, alpha_m, beta_m):
+    """x: [2, N] = (FLOPs/P, Bytes/BW) in seconds -> [N] seconds."""
+    return np.maximum(alpha_c * x[0] + beta_c, alpha_m * x[1] + beta_m)
+
+
+class LatencyModel:
+    """Predicted latency (seconds) of one target forward with s new tokens over c cached tokens."""
+
+    def __init__(self, shape: ModelShape, ceilings: Ceilings, params: LatencyParams):
+        self.shape = shape
+        self.ceilings = ceilings
+        self.params = params
+
+    def features(self, s, c) -> np.ndarray:
+        """[2, N] roofline times in seconds: (FLOPs/P, Bytes/BW) for arrays s, c of N points."""
+        s = np.atleast_1d(np.asarray(s, dtype=np.float64))
+        c = np.broadcast_to(np.asarray(c, dtype=np.float64), s.shape)
+        return np.stack([self.shape.flops(s, c) / self.ceilings.flops_per_s,
+                         self.shape.bytes(s, c) / self.ceilings.bytes_per_s])
+
+    def predict(self, s, c):
+        """C(s, c) in seconds; s, c ints (returns float) or arrays (returns [N] array)."""
+        scalar = np.ndim(s) == 0 and np.ndim(c) == 0
+        out = _roofline(self.features(s, c), *self.params.as_tuple())
+        return float(out[0]) if scalar else out
+
+    def verify_costs(self, max_n: int, c: int) -> list[float]:
+        """[max_n + 1] Python list: entry n = C(n, c) seconds for n = 1..max_n; entry 0 = 0.0.
+
+        One vectorised evaluation, so a policy can index it per node at no cost.
+        """
+        n = np.arange(1, max_n + 1)
+        return [0.0] + self.predict(n, np.full_like(n, c)).tolist()
+
+    def bound(self, s: int, c: int) -> str:
+        """'compute' or 'memory': which line of the max is active at (s, c)."""
+        x = self.features(s, c)
+        a_c, b_c, a_m, b_m = self.params.as_tuple()
+        return "compute" if a_c * x[0, 0] + b_c >= a_m * x[1, 0] + b_m else "memory"
+
+
+def mape(measured, predicted) -> float:
+    """Mean absolute percentage error, as a fraction (0.05 = 5 %). Empty input -> nan."""
+    measured = np.asarray(measured, dtype=np.float64)
+    predicted = np.asarray(predicted, dtype=np.float64)
+    if measured.size == 0:
+        return float("nan")
+    return float(np.mean(np.abs(predicted - measured) / measured))
+
+
+def _line_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """Weighted least-squares y ~ a*x + b with a, b >= 0 (clipped)."""
+    A = np.stack([x, np.ones_like(x)], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    return max(float(a), 1e-6), max(float(b), 0.0)
+
+
+def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
+               sigma_scale=None) -> LatencyParams:
+    """Fit (alpha_c, beta_c, alpha_m, beta_m) to measured forwards by non-linear least squares.
+
+    s, c: [N] new and cached tokens; seconds: [N] measured latencies (seconds, > 0).
+    sigma_scale: optional [N] multiplier of each point's uncertainty (> 1: counts less).
+    Residuals are relative (sigma = measured) and weighted by log2(2s), so larger s counts
+    more, as in the reference calibration, while s = 1 (the AR step) still matters.
+    Several starts (each line fitted alone to the points it would dominate) guard against
+    the kink of the max; the start with the lowest weighted residual wins.
+    Raises ValueError with fewer than 4 points or non-positive timings.
+    """
+    s = np.asarray(s, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if y.size < 4:
+        raise ValueError(f"need at least 4 timings to fit 4 parameters, got {y.size}")
+    if not np.all(y > 0):
+        raise ValueError("timings must be positive seconds")
+    x = LatencyModel(model_shape, ceilings, LatencyParams(1, 0, 1, 0)).features(s, c)
+    sigma = y / np.sqrt(np.log2(2 * s))
+    if sigma_scale is not None:
+        sigma = sigma * np.asarray(sigma_scale, dtype=np.float64)
+    w = 1.0 / sigma
+
+    starts = []
+    ac, bc = _line_fit(x[0], y, w)
+    am, bm = _line_fit(x[1], y, w)
+    starts.append((ac, bc, am, bm))
+    # Split by compute intensity: high-FLOP points for the compute line, the rest for memory.
+    ratio = x[0] / x[1]
+    for q in (0.3, 0.5, 0.7):
+        cut = np.quantile(ratio, q)
+        hi, lo = ratio >= cut, ratio < cut
+        if hi.sum() >= 2 and lo.sum() >= 2:
+            ac, bc = _line_fit(x[0][hi], y[hi], w[hi])
+            am, bm = _line_fit(x[1][lo], y[lo], w[lo])
+            starts.append((ac, bc, am, bm))
+
+    best, best_cost = None, float("inf")
+    bounds = ([0.0, 0.0, 0.0, 0.0], [np.inf] * 4)
+    for p0 in starts:
+        try:
+            popt, _ = curve_fit(_roofline, x, y, p0=p0, sigma=sigma, bounds=bounds, max_nfev=2000)
+        except (RuntimeError, ValueError):
+            continue
+        cost = float(np.sum(((_roofline(x, *popt) - y) / sigma) ** 2))
+        if cost < best_cost:
+            best, best_cost = popt, cost
+    if best is None:
+        raise ValueError("latency fit did not converge from any start")
+    return LatencyParams(*(float(v) for v in best))
