@@ -1,0 +1,465 @@
+"""DFlash block-diffusion drafter: the published checkpoint format (SPEC section 2) and its forward pass.
+
+The drafter reads the target's hidden states at a few layers (context features),
+embeds the block [root, MASK, ..., MASK] with the target's own input embedding,
+and in one pass emits position-wise marginals q_1..q_{B-1} through the target's
+lm_head. Queries come from the block only; keys and values are the context
+features' projections followed by the block's, with no mask (the block is
+bidirectional). Only context entries are kept in the drafter's KV cache.
+
+Optional extensions (absent from published z-lab checkpoints, which load unchanged):
+- `dflash_config.inject_anchor` (bool): add the context feature of the position
+  before the anchor to every block input (EAGLE-style feature injection).
+- `dflash_config.draft_vocab_size` (int) with a `d2t` int64 tensor [Vd] in the
+  safetensors file: the drafter scores only those target token ids (EAGLE-3's
+  reduced vocabulary), sharing the rows of the target's lm_head.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from drafting.base import Drafter, Marginals
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DrafterLoadError(ValueError):
+    """A drafter checkpoint is missing, malformed, or does not fit the target."""
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """Target layers read by the drafter when the config does not list them (SPEC section 2).
+
+    n is the number of layers read (the drafter's own layer count in published configs).
+
+    One layer -> [L_t // 2]; otherwise round(1 + i * (L_t - 4) / (n - 1)) for i = 0..n-1.
+    """
+    if n == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n)]
+
+
+@dataclass
+class DFlashSpec:
+    """Parsed drafter configuration: the Qwen3 config plus the DFlash fields."""
+
+    config: Qwen3Config
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    inject_anchor: bool = False
+    draft_vocab_size: int | None = None
+    raw: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashSpec":
+        """Parse a config.json dict. Raises DrafterLoadError naming missing fields."""
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "block_size") if k not in d]
+        dcfg = d.get("dflash_config") or {}
+        if "mask_token_id" not in dcfg:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise DrafterLoadError(f"drafter config lacks required field(s): {', '.join(missing)}")
+        qcfg = {k: v for k, v in d.items() if k not in ("dflash_config", "architectures", "auto_map")}
+        config = Qwen3Config(**qcfg)
+        ids = dcfg.get("target_layer_ids")
+        ntl = int(d.get("num_target_layers", 0))
+        if ids is None:
+            if not ntl:
+                raise DrafterLoadError("drafter config has neither dflash_config.target_layer_ids nor num_target_layers")
+            # One feature layer per draft layer: for 5 layers over 36 this gives [1, 9, 17, 25, 33].
+            ids = default_target_layer_ids(ntl, int(d["num_hidden_layers"]))
+        return cls(
+            config=config,
+            block_size=int(d["block_size"]),
+            num_target_layers=ntl,
+            mask_token_id=int(dcfg["mask_token_id"]),
+            target_layer_ids=[int(i) for i in ids],
+            inject_anchor=bool(dcfg.get("inject_anchor", False)),
+            draft_vocab_size=dcfg.get("draft_vocab_size"),
+            raw=d,
+        )
+
+    def to_dict(self) -> dict:
+        d = self.config.to_dict()
+        for k in ("transformers_version", "dtype", "torch_dtype"):
+            d.pop(k, None)
+        d["architectures"] = ["DFlashDraftModel"]
+        d["block_size"] = self.block_size
+        d["num_target_layers"] = self.num_target_layers
+        dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.inject_anchor:
+            dc["inject_anchor"] = True
+        if self.draft_vocab_size:
+            dc["draft_vocab_size"] = int(self.draft_vocab_size)
+        d["dflash_config"] = dc
+        return d
+
+
+class DFlashAttention(nn.Module):
+    """Attention with queries from the block and keys/values from context + block.
+
+    Weights: q_proj [n_q*d, H], k_proj/v_proj [n_kv*d, H], o_proj [H, n_q*d],
+    q_norm/k_norm per-head RMSNorm [d].
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.n_q, self.n_kv, self.d = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_q * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_q * d, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, n, H] -> rotated keys and values [b, n_kv, n, d]."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.d).transpose(1, 2)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [b, B, H] normed block states; cos/sin [b, B, d]; ctx_k/ctx_v [b, n_kv, c, d].
+
+        attn_mask: optional [b or 1, 1, B, c + B] bool (True = visible), used in training;
+        None at inference (block queries see the whole context and the whole block).
+        Returns [b, B, H].
+        """
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_q, self.d)).transpose(1, 2)
+        kb, vb = self.project_kv(x, cos, sin)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k = torch.cat([ctx_k, kb], dim=2)
+        v = torch.cat([ctx_v, vb], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_q != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_q * self.d))
+
+
+class DFlashLayer(nn.Module):
+    """Pre-norm decoder layer: attention (block queries over context + block) then gated MLP."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights, with exactly the published key names (no embedding, no lm_head).
+
+    fc: [H, n_ids * H_t] fuses the target features; hidden_norm and norm are RMSNorms.
+    Optional buffer d2t [Vd] (reduced vocabulary extension).
+    """
+
+    def __init__(self, spec: DFlashSpec, target_hidden: int | None = None):
+        super().__init__()
+        cfg = spec.config
+        self.spec = spec
+        th = target_hidden or cfg.hidden_size
+        self.fc = nn.Linear(len(spec.target_layer_ids) * th, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg)
+        if spec.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(int(spec.draft_vocab_size), dtype=torch.long))
+        else:
+            self.d2t = None
+
+    def context_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[b, n, n_ids * H_t] concatenated target hidden states -> [b, n, H] normalised context."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def forward_block(
+        self,
+        block_embeds: torch.Tensor,
+        block_pos: torch.Tensor,
+        ctx: torch.Tensor,
+        ctx_pos: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Run the block through every layer.
+
+        block_embeds [b, B, H]; block_pos [b, B] absolute positions; ctx [b, n, H] new
+        normalised context features at positions ctx_pos [b, n]; past: per-layer cached
+        context (k, v) [b, n_kv, c, d] or None. attn_mask: see DFlashAttention.
+        Returns final-normed block states [b, B, H] and the per-layer context (k, v)
+        including the new context (block entries are never cached).
+        """
+        cos_b, sin_b = self.rotary_emb(block_embeds, block_pos)
+        cos_c, sin_c = self.rotary_emb(ctx, ctx_pos)
+        h = block_embeds
+        new_past = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            kc, vc = attn.project_kv(ctx, cos_c, sin_c)
+            if past is not None and past[i][0].shape[2] > 0:
+                kc = torch.cat([past[i][0], kc], dim=2)
+                vc = torch.cat([past[i][1], vc], dim=2)
+            new_past.append((kc, vc))
+            h = h + attn(layer.input_layernorm(h), cos_b, sin_b, kc, vc, attn_mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h), new_past
+
+
+@dataclass
+class DFlashState:
+    """Per-request drafter state: cached context (k, v) per layer and features not yet consumed."""
+
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ctx_len: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+    last_ctx: torch.Tensor | None = None  # [1, 1, H] normalised feature of the last context token
+
+
+class DFlashDrafter(Drafter):
+    """A DFlash drafter bound to its target (shares the target's embedding and lm_head).
+
+    model: DFlashModel; embed: the target's input embedding; lm_head: the target's
+    output projection (weight [V, H]). top_k: tokens kept per depth in the marginals.
+    """
+
+    def __init__(self, model: DFlashModel, embed: nn.Module, lm_head: nn.Module, top_k: int = 128):
+        self.model = model
+        self.embed = embed
+        self.lm_head = lm_head
+        self.spec = model.spec
+        self.block_size = self.spec.block_size
+        self.max_depth = self.block_size - 1
+        self.feature_layers = tuple(i + 1 for i in self.spec.target_layer_ids)
+        self.top_k = top_k
+        self.refresh_head()
+
+    def refresh_head(self) -> None:
+        """Cache the lm_head rows the drafter scores (all, or the reduced vocabulary d2t)."""
+        w = self.lm_head.weight
+        d2t = self.model.d2t
+        self._head_w = w if d2t is None else w.index_select(0, d2t.to(w.device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    def new_state(self) -> DFlashState:
+        return DFlashState()
+
+    def extend(self, state: DFlashState, token_ids: list[int], features: torch.Tensor | None) -> None:
+        if features is None:
+            raise ValueError("the DFlash drafter needs target features for every committed token")
+        if features.shape[0] != len(token_ids):
+            raise ValueError(f"got {features.shape[0]} feature rows for {len(token_ids)} tokens")
+        state.pending.append(features)
+
+    @torch.inference_mode()
+    def propose(self, state: DFlashState, root: int, max_depth: int) -> Marginals:
+        """One drafter pass: consume pending context, run the block, return top-K marginals.
+
+        Returns Marginals with token_ids/logprobs [min(max_depth, B-1), top_k].
+        """
+        m = self.model
+        dev, dt = self.device, m.fc.weight.dtype
+        if state.pending:
+            feats = torch.cat(state.pending, dim=0).to(dev, dt)[None]
+            state.pending = []
+        else:
+            feats = torch.zeros((1, 0, m.fc.in_features), device=dev, dtype=dt)
+        n_new = feats.shape[1]
+        ctx = m.context_features(feats)
+        ctx_pos = torch.arange(state.ctx_len, state.ctx_len + n_new, device=dev)[None]
+        start = state.ctx_len + n_new
+        B = self.block_size
+        ids = torch.full((1, B), self.spec.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = root
+        x = self.embed(ids).to(dt)
+        if n_new:
+            state.last_ctx = ctx[:, -1:]
+        if self.spec.inject_anchor and state.last_ctx is not None:
+            x = x + state.last_ctx
+        block_pos = torch.arange(start, start + B, device=dev)[None]
+        h, state.past = m.forward_block(x, block_pos, ctx, ctx_pos, state.past)
+        state.ctx_len = start
+        depth = max(0, min(max_depth, B - 1))
+        logits = F.linear(h[0, 1 : 1 + depth], self._head_w).float()
+        lp = torch.log_softmax(logits, dim=-1)
+        k = min(self.top_k, lp.shape[-1])
+        vals, idx = torch.topk(lp, k, dim=-1)
+        if m.d2t is not None:
+            idx = m.d2t[idx]
+        return Marginals(token_ids=idx.cpu(), logprobs=vals.cpu())
+
+
+def read_spec(path: str | Path) -> DFlashSpec:
+    """Read and parse `config.json` of a drafter folder. Raises DrafterLoadError."""
+    p = Path(path) / CONFIG_NAME
+    if not p.is_file():
+        raise DrafterLoadError(f"drafter folder '{path}' has no {CONFIG_NAME}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterLoadError(f"drafter config '{p}' is not valid JSON: {e}") from e
+    return DFlashSpec.from_dict(d)
+
+
+def check_fits_target(spec: DFlashSpec, target_config) -> list[str]:
+    """Mismatches between a drafter config and the target config (empty when it fits)."""
+    problems = []
+    lt = int(target_config.num_hidden_layers)
+    if spec.num_target_layers and spec.num_target_layers != lt:
+        problems.append(f"num_target_layers={spec.num_target_layers} but the target has {lt} layers")
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < lt]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's 0..{lt - 1}")
+    if spec.config.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden_size={spec.config.hidden_size} but the target's is {target_config.hidden_size}")
+    if not 0 <= spec.mask_token_id < target_config.vocab_size:
+        problems.append(f"mask_token_id={spec.mask_token_id} outside the target's vocabulary of {target_config.vocab_size}")
+    if spec.block_size < 2:
+        problems.append(f"block_size={spec.block_size} must be >= 2")
+    return problems
+
+
+def _resolve_folder(spec: str | Path) -> Path:
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        return p
+    s = str(spec)
+    if p.exists():
+        raise DrafterLoadError(f"drafter '{s}' is a file; expected a folder with {CONFIG_NAME} and {WEIGHTS_NAME}")
+    parts = s.split("/")
+    if len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(s, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]))
+        except Exception as e:
+            raise DrafterLoadError(f"could not fetch drafter '{s}' from the Hugging Face hub: {e}") from e
+    raise DrafterLoadError(f"drafter '{s}' is neither an existing folder nor a Hugging Face id of the form org/name")
+
+
+def load_dflash(path: str | Path, target_model: nn.Module, top_k: int = 128) -> DFlashDrafter:
+    """Load a DFlash checkpoint (folder or hub id) for `target_model`.
+
+    Checks the config against the target and every weight key and shape against the
+    module; raises DrafterLoadError listing all mismatches. The drafter runs in the
+    target's dtype and device.
+    """
+    from safetensors.torch import load_file
+
+    folder = _resolve_folder(path)
+    spec = read_spec(folder)
+    tcfg = target_model.config
+    problems = check_fits_target(spec, tcfg)
+    if problems:
+        raise DrafterLoadError(f"drafter '{path}' does not fit the target: " + "; ".join(problems))
+    wfile = folder / WEIGHTS_NAME
+    if not wfile.is_file():
+        raise DrafterLoadError(f"drafter folder '{path}' has no {WEIGHTS_NAME}")
+    state = load_file(str(wfile))
+    model = DFlashModel(spec, target_hidden=tcfg.hidden_size)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    errs = [f"missing {k} {expected[k]}" for k in expected if k not in got]
+    errs += [f"unexpected {k} {got[k]}" for k in got if k not in expected]
+    errs += [f"{k}: file {got[k]} vs expected {expected[k]}" for k in expected if k in got and got[k] != expected[k]]
+    if errs:
+        raise DrafterLoadError(f"drafter weights in '{wfile}' do not match its config: " + "; ".join(errs))
+    model.load_state_dict(state)
+    p = next(target_model.parameters())
+    model.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+    if model.d2t is not None:
+        model.d2t = model.d2t.long()
+    return DFlashDrafter(model, target_model.get_input_embeddings(), target_model.get_output_embeddings(), top_k=top_k)
+
+
+def save_dflash(model: DFlashModel, path: str | Path) -> None:
+    """Write config.json + model.safetensors in the published format (plus optional extensions)."""
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_NAME).write_text(json.dumps(model.spec.to_dict(), indent=2))
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(sd, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def make_spec_for_target(
+    target_config,
+    num_layers: int = 1,
+    block_size: int = 16,
+    mask_token_id: int = 0,
+    target_layer_ids: list[int] | None = None,
+    intermediate_size: int | None = None,
+    inject_anchor: bool = False,
+    draft_vocab_size: int | None = None,
+) -> DFlashSpec:
+    """A drafter config shaped for `target_config` (same hidden size, heads, RoPE), for new drafters."""
+    lt = int(target_config.num_hidden_layers)
+    ids = target_layer_ids or default_target_layer_ids(lt, 3 if lt >= 8 else 1)
+    h = target_config.hidden_size
+    nq = target_config.num_attention_heads
+    rp = getattr(target_config, "rope_parameters", None) or {}
+    d = {
+        "hidden_size": h,
+        "intermediate_size": intermediate_size or target_config.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": nq,
+        "num_key_value_heads": target_config.num_key_value_heads,
+        "head_dim": getattr(target_config, "head_dim", None) or h // nq,
+        "rms_norm_eps": float(target_config.rms_norm_eps),
+        "rope_theta": float(rp.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+        "vocab_size": target_config.vocab_size,
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "block_size": block_size,
+        "num_target_layers": lt,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids},
+    }
+    if inject_anchor:
+        d["dflash_config"]["inject_anchor"] = True
+    if draft_vocab_size:
+        d["dflash_config"]["draft_vocab_size"] = draft_vocab_size
+    return DFlashSpec.from_dict(d)
+
+
+def random_dflash(target_model: nn.Module, seed: int = 0, **spec_kwargs) -> DFlashDrafter:
+    """A randomly initialised drafter for `target_model` (tests and training start points)."""
+    spec = make_spec_for_target(target_model.config, **spec_kwargs)
+    torch.manual_seed(seed)
+    model = DFlashModel(spec, target_hidden=target_model.config.hidden_size)
+    std = 0.02
+    for name, prm in model.named_parameters():
+        if prm.dim() == 2:
+            nn.init.normal_(prm, std=std)
+    p = next(target_model.parameters())
+    model.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+    return DFlashDrafter(model, target_model.get_input_embeddings(), target_model.get_output_embeddings())

@@ -1,0 +1,341 @@
+"""The decoding loop: prefill, then per step draft -> build tree -> verify -> accept -> commit."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from transformers import DynamicCache
+
+from drafting.base import Drafter
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import Target
+from engine.sampling import SamplingParams, select_token
+from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, build_tree
+from engine.verifier import accept_greedy, accept_sample, compact_cache, gather_features, verify
+
+MODES = ("ar", "chain", "tree", "bastion")
+
+
+class ContextLengthError(ValueError):
+    """Prompt + max_tokens exceed the target's context length."""
+
+
+@dataclass
+class StepStats:
+    """One verification step. Times in seconds; sizes in tokens.
+
+    tree_size: nodes verified (root included); accepted: tokens committed this step
+    (bonus included, after stop truncation); context_len: cached tokens before the step;
+    a_hat: the tree's acceptance surrogate; drafted: whether the drafter ran.
+    accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
+    """
+
+    tree_size: int
+    accepted: int
+    accepted_depth: int
+    context_len: int
+    a_hat: float
+    drafted: bool
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+
+@dataclass
+class GenerationEvent:
+    """What one engine step yields to its caller (the scheduler or the CLI).
+
+    token_ids: tokens committed in this event; text: the text delta that is now final
+    (may be empty); finish_reason: None while running, else 'stop' | 'length' | 'cancelled';
+    step: statistics of the verification step (None for the prefill event).
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    step: StepStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A whole generation (see `Engine.generate`). Times in seconds."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    steps: list[StepStats] = field(default_factory=list)
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length: committed tokens per verification step (bonus included)."""
+        n = len(self.steps)
+        return sum(s.accepted for s in self.steps) / n if n else 0.0
+
+    @property
+    def mean_tree_size(self) -> float:
+        n = len(self.steps)
+        return sum(s.tree_size for s in self.steps) / n if n else 0.0
+
+
+@dataclass
+class Sequence:
+    """All per-request state; nothing of it is shared between requests.
+
+    cache: the target's KV cache (prefix_len committed tokens); root: last committed
+    token, not yet in the cache; output_ids: committed output tokens.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache: DynamicCache
+    detok: IncrementalDetokenizer
+    drafter_state: object
+    generator: torch.Generator | None
+    eos: set[int]
+    prefix_len: int = 0
+    root: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    finish_reason: str | None = None
+    pending: GenerationEvent | None = None
+
+    @property
+    def n_out(self) -> int:
+        return len(self.output_ids)
+
+
+PolicyFactory = Callable[[int], StoppingPolicy]
+
+
+def make_policy_factory(mode: str, budget: int = 32, block_size: int = 16) -> PolicyFactory:
+    """Stopping policy per step for the fixed modes: 'ar' | 'chain' | 'tree' (budget nodes).
+
+    The adaptive 'bastion' mode takes its factory from the controller instead.
+    Raises ValueError for an unknown mode or a budget < 1.
+    """
+    if mode == "ar":
+        pol: StoppingPolicy = SingleNodePolicy()
+    elif mode == "chain":
+        pol = ChainPolicy(max_nodes=block_size)
+    elif mode == "tree":
+        if budget < 1:
+            raise ValueError(f"tree budget must be >= 1, got {budget}")
+        pol = FixedBudgetPolicy(budget)
+    else:
+        raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+    return lambda context_len: pol
+
+
+class Engine:
+    """Single-request tree speculative decoding over a loaded target.
+
+    target: the loaded Target. drafter: a Drafter or None (AR only).
+    policy_factory: context_len -> StoppingPolicy for each step.
+    step_hook: optional callable(StepStats) called after every step (the controller's profiler).
+    draft_gate: optional callable() -> bool; False skips drafting for a step (root-only tree).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        policy_factory: PolicyFactory | None = None,
+        step_hook: Callable[[StepStats], None] | None = None,
+        draft_gate: Callable[[], bool] | None = None,
+    ):
+        self.target = target
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.drafter = drafter
+        self.policy_factory = policy_factory or make_policy_factory("ar")
+        self.step_hook = step_hook
+        self.draft_gate = draft_gate
+        self.eos_ids = target.eos_token_ids
+
+    # ---- prompt handling -------------------------------------------------------------
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Apply the target's chat template (generation prompt added) -> token ids."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """Refuse work that cannot fit: raises ContextLengthError naming the numbers."""
+        limit = self.max_context()
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty")
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                f"exceeds the context length of {limit} tokens"
+            )
+
+    # ---- the loop ----------------------------------------------------------------------
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate, prefill the prompt and pick the first token (the first root).
+
+        Returns the request's Sequence; its `pending` event carries the first token.
+        Raises ValueError / ContextLengthError before any work on bad input.
+        """
+        params.validate()
+        self.check_length(len(prompt_ids), params.max_tokens)
+        gen = None
+        if not params.greedy and params.seed is not None:
+            gen = torch.Generator().manual_seed(int(params.seed))
+        drafter = self.drafter
+        flayers = drafter.feature_layers if drafter is not None else ()
+        seq = Sequence(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            cache=DynamicCache(config=self.model.config),
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+            drafter_state=drafter.new_state() if drafter is not None else None,
+            generator=gen,
+            eos=set() if params.ignore_eos else set(self.eos_ids),
+        )
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([seq.prompt_ids], device=self.model.device),
+                past_key_values=seq.cache,
+                use_cache=True,
+                output_hidden_states=bool(flayers),
+                logits_to_keep=1,
+            )
+            if drafter is not None:
+                drafter.extend(seq.drafter_state, seq.prompt_ids, gather_features(out.hidden_states, flayers))
+            seq.root = select_token(out.logits[0, -1], params, gen)
+        seq.prefix_len = len(prompt_ids)
+        committed, finish = self._commit(seq, [seq.root])
+        seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
+        return seq
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence) -> GenerationEvent:
+        """One decoding step: draft, build the tree, verify, accept, compact, commit.
+
+        Returns the step's event (finish_reason set when the request ends).
+        """
+        drafter = self.drafter
+        flayers = drafter.feature_layers if drafter is not None else ()
+        params = seq.params
+        t0 = time.perf_counter()
+        remaining = params.max_tokens - seq.n_out
+        policy = self.policy_factory(seq.prefix_len)
+        proposal = None
+        max_depth = 0
+        if drafter is not None and policy.max_nodes > 1 and remaining > 1:
+            if self.draft_gate is None or self.draft_gate():
+                max_depth = min(drafter.max_depth, remaining - 1)
+                proposal = drafter.propose(seq.drafter_state, seq.root, max_depth)
+        t1 = time.perf_counter()
+        tree = build_tree(seq.root, proposal, policy, max_depth)
+        t2 = time.perf_counter()
+        vo = verify(self.model, seq.cache, tree, seq.prefix_len, flayers)
+        t3 = time.perf_counter()
+        if params.greedy:
+            path, bonus = accept_greedy(tree, vo.logits)
+        else:
+            path, bonus = accept_sample(tree, vo.logits, params, seq.generator)
+        committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
+        context_len = seq.prefix_len
+        if finish is None:
+            compact_cache(seq.cache, seq.prefix_len, path)
+            if drafter is not None:
+                drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), vo.features[path])
+            seq.prefix_len += len(path)
+            seq.root = bonus
+        t4 = time.perf_counter()
+        stats = StepStats(
+            tree_size=tree.size,
+            accepted=len(committed),
+            accepted_depth=len(path) - 1,
+            context_len=context_len,
+            a_hat=tree.a_hat,
+            drafted=proposal is not None,
+            draft_s=t1 - t0,
+            verify_s=t3 - t2,
+            other_s=(t2 - t1) + (t4 - t3),
+        )
+        seq.steps.append(stats)
+        if self.step_hook is not None:
+            self.step_hook(stats)
+        return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> Iterator[GenerationEvent]:
+        """Generate for one request, yielding the prefill's event and then one per step.
+
+        The last event has a finish_reason ('cancelled' when should_cancel() turned True
+        between steps). Raises ValueError / ContextLengthError before any work on bad input.
+        """
+        seq = self.start(prompt_ids, params)
+        ev = seq.pending
+        yield ev
+        while ev.finish_reason is None:
+            if should_cancel is not None and should_cancel():
+                seq.finish_reason = "cancelled"
+                yield GenerationEvent([], seq.detok.release(final=True), "cancelled", None)
+                return
+            ev = self.step(seq)
+            yield ev
+
+    @staticmethod
+    def _commit(seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Cut a step's tokens at EOS, a stop string or max_tokens; return (kept, finish_reason).
+
+        EOS itself is not returned or counted; the token completing a stop string is.
+        Updates seq.output_ids, seq.n_out and seq.finish_reason.
+        """
+        finish = None
+        keep = tokens
+        for i, t in enumerate(tokens):
+            if t in seq.eos:
+                keep, finish = tokens[:i], "stop"
+                break
+        room = seq.params.max_tokens - seq.n_out
+        if len(keep) > room:
+            keep, finish = keep[:room], None
+        n = seq.detok.add(keep)
+        if seq.detok.stopped:
+            keep, finish = keep[:n], "stop"
+        elif finish is None and seq.n_out + len(keep) >= seq.params.max_tokens:
+            finish = "length"
+        seq.output_ids.extend(keep)
+        seq.finish_reason = finish
+        return keep, finish
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Run `stream` to the end and collect text, tokens, steps and timings."""
+        t0 = time.perf_counter()
+        ttft = None
+        text, ids, steps, finish = [], [], [], "stop"
+        for ev in self.stream(prompt_ids, params):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+            if ev.step is not None:
+                steps.append(ev.step)
+            if ev.finish_reason:
+                finish = ev.finish_reason
+        total = time.perf_counter() - t0
+        return GenerationResult(
+            text="".join(text),
+            token_ids=ids,
+            finish_reason=finish,
+            steps=steps,
+            prompt_tokens=len(prompt_ids),
+            ttft_s=ttft or 0.0,
+            decode_s=total - (ttft or 0.0),
+        )

@@ -1,0 +1,111 @@
+"""Tree verification: one target forward with the tree mask, acceptance, and KV-cache compaction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams, processed_probs
+from engine.tree import Tree, tree_attention_mask
+
+
+@dataclass
+class VerifyOutput:
+    """Target outputs for every tree node.
+
+    logits: [n, V]; features: [n, len(feature_layers) * H] target hidden states at the
+    drafter's feature layers (None when no drafter needs them).
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor | None:
+    """Concatenate hidden_states[l][0] for l in layers -> [n, len(layers) * H] (None if no layers)."""
+    if not layers:
+        return None
+    return torch.cat([hidden_states[l][0] for l in layers], dim=-1)
+
+
+@torch.inference_mode()
+def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int, ...]) -> VerifyOutput:
+    """Run the target once over all tree nodes on top of the cached prefix.
+
+    cache: transformers Cache holding exactly `prefix_len` committed tokens; after the
+    call it holds prefix_len + n entries (compact it with `compact_cache`).
+    Positions are prefix_len + depth; the mask lets node i see the prefix, itself and
+    its ancestors (SPEC section 4). A single node needs no mask (plain causal step).
+    """
+    dev = model.device
+    ids = tree.tokens[None].to(dev)
+    if tree.size == 1:
+        mask = None
+    else:
+        mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
+    out = model(
+        input_ids=ids,
+        position_ids=tree.position_ids(prefix_len).to(dev),
+        attention_mask=mask,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(feature_layers),
+    )
+    feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
+    return VerifyOutput(logits=out.logits[0], features=feats)
+
+
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance (SPEC section 4): follow the target's argmax down the tree.
+
+    logits: [n, V]. Returns (accepted node indices starting with the root 0, bonus token).
+    """
+    targ = torch.argmax(logits, dim=-1).tolist()
+    kids = tree.children()
+    path = [0]
+    while True:
+        t = targ[path[-1]]
+        nxt = kids[path[-1]].get(t)
+        if nxt is None:
+            return path, t
+        path.append(nxt)
+
+
+def accept_sample(
+    tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Lossless sampling acceptance (SPEC section 4): at each node draw x from the target's
+    processed distribution; descend if a child carries x, else x is the bonus token.
+
+    Every committed token is an exact sample of the target given its prefix, whatever
+    the tree. logits: [n, V]. Returns (accepted node indices from the root, bonus token).
+    """
+    kids = tree.children()
+    path = [0]
+    while True:
+        probs = processed_probs(logits[path[-1]], params)
+        x = int(torch.multinomial(probs, 1, generator=generator))
+        nxt = kids[path[-1]].get(x)
+        if nxt is None:
+            return path, x
+        path.append(nxt)
+
+
+def compact_cache(cache, prefix_len: int, path: list[int]) -> None:
+    """Keep prefix + the accepted tree nodes in the target's KV cache, in path order.
+
+    cache holds prefix_len + n entries after `verify`. When the path is the tree's
+    first len(path) nodes (a chain, or AR) this is a crop; otherwise one gather per
+    layer through a temporary (the source and destination ranges may overlap).
+    """
+    keep = prefix_len + len(path)
+    if path != list(range(len(path))):
+        idx = torch.tensor(path, dtype=torch.long) + prefix_len
+        for layer in cache.layers:
+            idx_d = idx.to(layer.keys.device)
+            layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, idx_d)
+            layer.values[:, :, prefix_len:keep] = layer.values.index_select(2, idx_d)
+    for layer in cache.layers:
+        # Views, no copy: the next step's concatenation allocates anyway.
+        layer.keys = layer.keys[:, :, :keep]
+        layer.values = layer.values[:, :, :keep]
