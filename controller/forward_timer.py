@@ -58,4 +58,5 @@ def hf_forward_timer(model: torch.nn.Module) -> Callable[[int, int], float]:
         cache.crop(-s)  # negative: drop the s positions just written
         return elapsed
 
+    measure.caches = caches  # type: ignore[attr-defined]  (inspection in tests)
     return measure

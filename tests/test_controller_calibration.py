@@ -1,0 +1,178 @@
+"""Latency-model fit, calibration grid timing, disk cache, report, ceilings and a real tiny forward."""
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from controller import calibration as cal
+from controller.ceilings import (Ceilings, datasheet_ceilings, device_name, measure_bandwidth,
+                                 measure_matmul_flops)
+from controller.cost_model import ModelShape
+from controller.latency_model import LatencyModel, LatencyParams, fit_params, mape
+
+# KV-heavy tiny shape: bytes vary strongly with c and FLOPs with s, so all four parameters are identifiable.
+CFG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=8, head_dim=64, vocab_size=256, tie_word_embeddings=False)
+SHAPE = ModelShape.from_config(CFG, torch.float32)
+CEIL = Ceilings(1e11, 1e10, "synthetic device", "given")
+TRUE = LatencyParams(alpha_c=1.5, beta_c=1e-3, alpha_m=1.2, beta_m=5e-4)
+GRID = cal.CalibrationGrid((1, 2, 4, 8, 16, 32, 64, 128, 256), (64, 512, 2048, 8192))
+
+
+def synthetic_measure(noise=0.02, seed=0):
+    """measure_fn from the model itself with multiplicative Gaussian noise; counts its calls."""
+    rng = np.random.default_rng(seed)
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+
+    def measure(s, c):
+        measure.calls += 1
+        return truth.predict(s, c) * (1 + noise * rng.standard_normal())
+    measure.calls = 0
+    return measure
+
+
+def test_fit_recovers_known_parameters_from_noisy_timings():
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    pts = np.array(GRID.points())
+    s, c = pts[:, 0], pts[:, 1]
+    y = truth.predict(s, c) * (1 + 0.02 * np.random.default_rng(1).standard_normal(len(s)))
+    p = fit_params(SHAPE, CEIL, s, c, y)
+    assert p.alpha_c == pytest.approx(TRUE.alpha_c, rel=0.05)
+    assert p.alpha_m == pytest.approx(TRUE.alpha_m, rel=0.05)
+    assert p.beta_c == pytest.approx(TRUE.beta_c, rel=0.25)
+    assert p.beta_m == pytest.approx(TRUE.beta_m, rel=0.25)
+    assert mape(truth.predict(s, c), LatencyModel(SHAPE, CEIL, p).predict(s, c)) < 0.02
+
+
+def test_fit_rejects_too_few_or_bad_points():
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_params(SHAPE, CEIL, [1, 2], [0, 0], [0.1, 0.2])
+    with pytest.raises(ValueError, match="positive"):
+        fit_params(SHAPE, CEIL, [1, 2, 3, 4], [0] * 4, [0.1, 0.2, 0.0, 0.3])
+
+
+def test_measure_grid_warmups_repeats_and_median():
+    values = iter([9.0, 9.0, 9.0, 5.0, 1.0, 3.0, 2.0, 4.0] + [7.0] * 8)
+    calls = []
+
+    def fn(s, c):
+        calls.append((s, c))
+        return next(values)
+    out = cal.measure_grid(fn, [(1, 10), (2, 10)], warmup=3, repeats=5, progress=False)
+    assert len(calls) == 16  # 3 warm-ups + 5 timed runs per point
+    assert out == [(1, 10, 3.0), (2, 10, 7.0)]  # median of 5,1,3,2,4 -> 3 (warm-ups ignored)
+
+
+def test_measure_grid_time_budget_cuts_repeats():
+    import time
+
+    def slow(s, c):
+        time.sleep(0.01)
+        return 0.01
+    t0 = time.perf_counter()
+    out = cal.measure_grid(slow, [(s, 64) for s in (1, 2, 4, 8)], warmup=3, repeats=5, time_budget_s=0.1,
+                           progress=False)
+    assert len(out) == 4 and time.perf_counter() - t0 < 0.5  # unbounded would be 32 calls = 0.32 s+
+
+
+def test_calibrate_heldout_error_cache_hit_report_and_plot(tmp_path):
+    fn = synthetic_measure()
+    res = cal.calibrate(fn, CFG, torch.float32, GRID, model_name="tiny/llama", ceilings=CEIL, cache_dir=tmp_path,
+                        warmup=1, repeats=3, time_budget_s=None, progress=False)
+    n = len(GRID.points())
+    assert fn.calls == n * 4
+    assert res.heldout == list(range(1, n, 4)) and 0 < res.heldout_mape < 0.04 and res.fit_mape < 0.03
+    assert res.params.alpha_c == pytest.approx(1.5, rel=0.05)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["model"] == "tiny/llama"
+
+    again = cal.calibrate(fn, CFG, torch.float32, GRID, model_name="tiny/llama", ceilings=CEIL,
+                          cache_dir=tmp_path, progress=False)
+    assert fn.calls == n * 4 and again.from_cache and again.params == res.params
+
+    png = tmp_path / "plot.png"
+    lines = []
+
+    class Sink:
+        def write(self, text):
+            lines.append(text)
+    text = cal.report(res, png, file=Sink(), extra="surrogate: none")
+    rows = [l for l in text.splitlines() if l.split() and l.split()[0].isdigit()]
+    assert len(rows) == n and sum(r.endswith("*") for r in rows) == len(res.heldout)
+    assert "datasheet ceilings: none" in text and text.endswith("surrogate: none")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _calibrate(fn, tmp_path):
+    return cal.calibrate(fn, CFG, torch.float32, GRID, model_name="tiny/llama", ceilings=CEIL, cache_dir=tmp_path,
+                         warmup=0, repeats=1, time_budget_s=None, progress=False)
+
+
+def test_corrupt_cache_is_ignored_with_warning_and_recomputed(tmp_path, caplog):
+    fn = synthetic_measure()
+    first = _calibrate(fn, tmp_path)
+    path = next(tmp_path.glob("*.json"))
+    path.write_text('{"key": {"format": 1}, "params": [truncated')
+    with caplog.at_level(logging.WARNING, logger="controller.calibration"):
+        again = _calibrate(fn, tmp_path)
+    assert "corrupt calibration cache" in caplog.text
+    assert fn.calls == 2 * len(GRID.points()) and not again.from_cache
+    assert json.loads(path.read_text())["params"] == again.params.to_dict()  # rewritten
+    assert first.params.alpha_c == pytest.approx(again.params.alpha_c, rel=0.05)
+
+
+@pytest.mark.parametrize("field,value", [("torch", "1.0.0"), ("attn_backend", "eager"), ("dtype", "bfloat16")])
+def test_mismatching_cache_is_ignored_with_warning(tmp_path, caplog, field, value):
+    fn = synthetic_measure()
+    _calibrate(fn, tmp_path)
+    path = next(tmp_path.glob("*.json"))
+    doc = json.loads(path.read_text())
+    doc["key"][field] = value
+    path.write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING, logger="controller.calibration"):
+        again = _calibrate(fn, tmp_path)
+    assert "does not match" in caplog.text and field in caplog.text
+    assert fn.calls == 2 * len(GRID.points()) and not again.from_cache
+
+
+def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("BASTION_CACHE", str(tmp_path))
+    assert cal.default_cache_dir() == tmp_path / "calibration"
+    assert cal.default_grid("cpu") is cal.CPU_GRID and cal.default_grid("cuda") is cal.GPU_GRID
+    assert cal.GPU_GRID.s_values[0] == 1 and max(cal.GPU_GRID.s_values) == 512 and max(cal.GPU_GRID.c_values) == 2048
+    assert cal.CPU_GRID.points(max_context=600)[-1] == (64, 512)
+
+
+def test_ceilings_microbenchmarks_and_datasheet():
+    flops = measure_matmul_flops("cpu", n=128, budget_s=0.05)
+    bw = measure_bandwidth("cpu", nbytes=8 << 20, budget_s=0.05)
+    assert 1e8 < flops < 1e14 and 1e8 < bw < 1e13
+    assert datasheet_ceilings("NVIDIA A100-SXM4-80GB").flops_per_s == 312e12
+    assert datasheet_ceilings("NVIDIA H100 80GB HBM3").bytes_per_s == 3.35e12
+    assert datasheet_ceilings("NVIDIA H100 PCIe").flops_per_s == 756e12
+    assert datasheet_ceilings("NVIDIA H200").bytes_per_s == 4.8e12
+    assert datasheet_ceilings("Intel(R) Xeon(R)") is None
+    assert f"({torch.get_num_threads()} threads)" in device_name("cpu")
+
+
+def test_calibrate_real_tiny_forward(tmp_path):
+    from controller.forward_timer import hf_forward_timer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    measure = hf_forward_timer(model)
+    grid = cal.CalibrationGrid((1, 4, 16, 64), (16, 128))
+    ceil = Ceilings(measure_matmul_flops("cpu", n=128, budget_s=0.05),
+                    measure_bandwidth("cpu", nbytes=8 << 20, budget_s=0.05), device_name("cpu"))
+    res = cal.calibrate(measure, cfg, torch.float32, grid, model_name="tiny-random", cache_dir=tmp_path,
+                        ceilings=ceil, warmup=1, repeats=2, time_budget_s=None, progress=False)
+    assert len(res.points) == 8 and all(t > 0 for _, _, t in res.points)
+    assert np.isfinite(res.heldout_mape) and np.isfinite(res.fit_mape)
+    assert res.key["attn_backend"] == cfg._attn_implementation or res.key["attn_backend"] == "default"
+    # the timer leaves its cache at exactly c tokens between calls
+    measure(8, 128)
+    assert measure.caches[128].get_seq_length() == 128
