@@ -1,0 +1,218 @@
+"""BudgetController: AR gate with backoff, background refit on drift, surrogate calibration, metrics."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from controller import profiler as profiler_mod
+from controller.budget import BudgetController
+from controller.ceilings import Ceilings
+from controller.cost_model import ModelShape
+from controller.gate import SpeculationGate
+from controller.latency_model import LatencyModel, LatencyParams
+from controller.policy import PolicySettings
+from controller.surrogate import SurrogateCalibrator, depth_mass
+from drafting.base import Marginals
+from engine.tree import build_tree
+
+SHAPE = ModelShape(layers=30, hidden=576, n_q=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152, bytes_per_param=4,
+                   tied_embeddings=True)
+CEIL = Ceilings(60e9, 12e9, "synthetic cpu")
+PARAMS = LatencyParams(1.6, 4e-3, 1.3, 6e-3)
+GRID_POINTS = [(s, c, LatencyModel(SHAPE, CEIL, PARAMS).predict(s, c)) for c in (64, 512, 1024)
+               for s in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+
+
+def make_controller(registry=None, **kw) -> BudgetController:
+    return BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), PolicySettings(1, 256, 1, 64),
+                            calibration_points=GRID_POINTS, registry=registry or CollectorRegistry(), **kw)
+
+
+def spec_step(ctl, c, accepted, n=16, draft_frac=0.3):
+    """One speculative step whose verify time is exactly the model's C(n, c)."""
+    m = ctl.model
+    ctl.record_step(n, c, m.predict(n, c), draft_frac * m.predict(1, c), 1e-3, float(accepted), accepted)
+
+
+def plain_step(ctl, c):
+    ctl.record_step(1, c, ctl.model.predict(1, c), 0.0, 5e-4, 1.0, 1, drafted=False)
+
+
+def test_gate_turns_off_for_useless_drafter_backs_off_and_recovers():
+    ctl = make_controller()
+    c = 300
+    assert ctl.should_draft()
+    for _ in range(3):  # probe: accepted length 1, so each step costs more than an AR step
+        assert ctl.should_draft()
+        spec_step(ctl, c, accepted=1)
+    assert not ctl.should_draft()
+    waits = []
+    for _round in range(3):  # every failed probe doubles the pause: 4, 8, 16 plain steps
+        k = 0
+        while not ctl.should_draft():
+            plain_step(ctl, c)
+            k += 1
+        waits.append(k)
+        for _ in range(3):
+            spec_step(ctl, c, accepted=1)
+    assert waits == [4, 8, 16]
+    assert not ctl.should_draft()
+    while not ctl.should_draft():
+        plain_step(ctl, c)
+    # the drafter got good: C(16)+draft ~ 1.3x an AR step, 6 tokens per step wins
+    for _ in range(50):
+        assert ctl.should_draft()
+        spec_step(ctl, c, accepted=6)
+    assert ctl.gate.committed and ctl.gate.backoff == ctl.gate.base_backoff
+    # AR overhead was learned from the plain steps: C(1, c) + 5e-4 s (+ the 1e-3 s of other time not counted)
+    assert ctl.ar_step_seconds(c) == pytest.approx(ctl.model.predict(1, c) + 5e-4, rel=1e-6)
+
+
+def test_gate_backoff_is_capped_and_needs_gain():
+    g = SpeculationGate(probe_steps=1, base_backoff=2, max_backoff=8)
+    for _ in range(5):
+        g.record(True, 0.5)
+        assert g.wait in (2, 4, 8)
+        while g.wait:
+            g.record(False)
+    assert g.backoff == 8
+    with pytest.raises(ValueError):
+        g.record(True)
+
+
+def test_background_refit_on_drift_never_blocks(monkeypatch):
+    real_fit = profiler_mod.fit_params
+    started = threading.Event()
+
+    def slow_fit(*a, **kw):
+        started.set()
+        time.sleep(0.3)
+        return real_fit(*a, **kw)
+    monkeypatch.setattr(profiler_mod, "fit_params", slow_fit)
+    reg = CollectorRegistry()
+    ctl = make_controller(reg, refit_window=64, refit_threshold=0.15)
+    old = ctl.model
+    # 63 steps on a machine that became 1.6x slower: no refit yet (window not full)
+    sizes = [8, 12, 16, 24, 32, 48]
+    steps = [(sizes[i % len(sizes)], 200 + 3 * i) for i in range(200)]
+    for n, c in steps[:63]:
+        ctl.record_step(n, c, 1.6 * old.predict(n, c), 1e-3, 1e-3, 3.0, 2)
+    assert ctl.profiler.refits == 0 and not started.is_set()
+    n, c = steps[63]
+    t0 = time.perf_counter()
+    ctl.record_step(n, c, 1.6 * old.predict(n, c), 1e-3, 1e-3, 3.0, 2)
+    assert time.perf_counter() - t0 < 0.1  # the fit sleeps 0.3 s in its thread
+    assert started.wait(2.0) and ctl.profiler.refitting and ctl.model is old
+    for n, c in steps[64:80]:  # steps keep flowing while the fit runs
+        ctl.record_step(n, c, 1.6 * old.predict(n, c), 1e-3, 1e-3, 3.0, 2)
+    assert ctl.profiler.wait_refit(5.0)
+    assert ctl.profiler.refits == 1 and ctl.model is not old
+    recent = steps[64:80]
+    err = np.mean([abs(ctl.model.predict(n, c) / (1.6 * old.predict(n, c)) - 1) for n, c in recent])
+    assert err < 0.1  # was 0.375 before the refit
+    assert reg.get_sample_value("bastion_latency_model_refits_total") == 1
+    assert reg.get_sample_value("bastion_latency_model_param", {"param": "alpha_c"}) == ctl.model.params.alpha_c
+
+
+def test_no_refit_when_predictions_hold():
+    ctl = make_controller()
+    for i in range(200):
+        spec_step(ctl, 100 + i, accepted=4, n=16)
+    ctl.profiler.wait_refit(5.0)
+    assert ctl.profiler.refits == 0 and ctl.profiler.recent_mape() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_running_estimates_and_policy_for_step():
+    ctl = make_controller(t_draft_init=0.02)
+    assert ctl.t_draft == 0.02
+    for _ in range(30):
+        ctl.record_step(16, 100, ctl.model.predict(16, 100), 0.01, 0.002, 3.0, 3)
+    assert ctl.t_draft == pytest.approx(0.01) and ctl.t_other == pytest.approx(0.002)
+    pol = ctl.policy_for_step(500)
+    assert pol.max_nodes == 256 and pol.top_k == 64 and pol.min_nodes == 1
+    assert pol.cost(37) == pytest.approx(ctl.model.predict(37, 500))
+    assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.012 + ctl.model.predict(10, 500)))
+    t0 = time.perf_counter()
+    for c in range(1000, 1100):
+        ctl.policy_for_step(c)
+    assert (time.perf_counter() - t0) / 100 < 2e-3
+
+
+def test_metrics_exported_on_given_registry():
+    reg = CollectorRegistry()
+    ctl = BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), registry=reg, heldout_mape=0.04, table_every=4)
+    for i in range(8):
+        ctl.record_step(16, 400, 0.9 * ctl.model.predict(16, 400), 0.01, 0.002, 3.5, 4)
+    get = reg.get_sample_value
+    assert get("bastion_latency_model_param", {"param": "beta_m"}) == PARAMS.beta_m
+    assert get("bastion_latency_model_error_ratio", {"kind": "calibration_heldout"}) == 0.04
+    assert get("bastion_latency_model_error_ratio", {"kind": "online"}) == pytest.approx(1 / 0.9 - 1)
+    assert get("bastion_predicted_verify_seconds", {"s": "64"}) == pytest.approx(ctl.model.predict(64, 400))
+    assert get("bastion_context_tokens") == 400
+    assert get("bastion_draft_seconds") == pytest.approx(0.01) and get("bastion_other_seconds") == pytest.approx(0.002)
+    assert get("bastion_tree_size_nodes_count") == 8 and get("bastion_tree_size_nodes_sum") == 128
+    assert get("bastion_accepted_length_tokens_bucket", {"le": "4.0"}) == 8
+    assert get("bastion_accepted_length_tokens_bucket", {"le": "3.0"}) == 0
+    assert get("bastion_verify_last_seconds", {"kind": "predicted"}) == pytest.approx(ctl.model.predict(16, 400))
+    assert get("bastion_steps_total", {"mode": "draft"}) == 8
+    assert get("bastion_drafting_enabled") == 1
+    # a second controller on the same registry does not re-register names
+    BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), registry=reg)
+
+
+def chain_marginals(q: float, depth: int) -> Marginals:
+    """Chain-shaped marginals: the top token has probability q at every depth, the rest is spread thin."""
+    lp = torch.full((depth, 4), float(np.log((1 - q) / 3)))
+    lp[:, 0] = float(np.log(q))
+    return Marginals(torch.arange(4).repeat(depth, 1), lp)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_surrogate_reliability_and_per_depth_correction(enabled):
+    """The drafter says 0.8 per depth; the target agrees only 40 % of the time: reliability 0.5 per depth."""
+    depth, rng = 6, np.random.default_rng(0)
+    sur = SurrogateCalibrator(max_depth=depth, decay=1.0, enabled=enabled)
+    raw = chain_marginals(0.8, depth)
+    for _ in range(3000):
+        marg = sur.correct(raw)
+        assert (marg is raw) != enabled
+        tree = build_tree(0, Marginals(marg.token_ids[:, :1], marg.logprobs[:, :1]),
+                          _All(depth), depth)  # the top-1 chain
+        acc = 1
+        while acc <= depth and rng.random() < 0.4:
+            acc += 1
+        sur.record(tree.a_hat, acc, depth_mass(tree.depths, tree.log_scores, depth))
+    rel = sur.reliability()
+    assert rel[:3] == pytest.approx([0.5, 0.25, 0.125], rel=0.1)
+    assert sur.depth_factors()[:3] == pytest.approx([0.5, 0.5, 0.5], rel=0.12)
+    assert sur.mean_realised == pytest.approx(sum(0.4 ** k for k in range(depth + 1)), rel=0.05)
+    if enabled:  # corrected chain: q' = 0.8 * 0.5 = 0.4 per depth, A_hat now matches tau
+        corrected = sur.correct(raw)
+        assert float(corrected.logprobs[0, 0].exp()) == pytest.approx(0.4, rel=0.12)
+    else:
+        assert sur.mean_predicted == pytest.approx(sum(0.8 ** k for k in range(depth + 1)), rel=1e-4)
+    assert "reliability" in sur.summary()
+
+
+class _All:
+    """Grow every candidate (test helper)."""
+
+    def __init__(self, n):
+        self.max_nodes, self.top_k = n + 1, None
+
+    def should_add(self, n, a_hat, p):
+        return True
+
+    def finalize(self, n):
+        return n
+
+
+def test_depth_mass_sums_rho_per_depth():
+    tree = build_tree(0, chain_marginals(0.5, 3), _All(100), 3)  # full tree: 1 + 4 + 16 + 64 nodes
+    assert tree.size == 85
+    mass = depth_mass(tree.depths, tree.log_scores, 3)
+    assert mass.tolist() == pytest.approx([1.0, 1.0, 1.0])  # all 4 tokens per depth, full tree: sums to 1
+    assert 1 + mass.sum() == pytest.approx(tree.a_hat)
