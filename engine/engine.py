@@ -13,7 +13,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import SamplingParams, select_token
 from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, build_tree
-from engine.verifier import accept_greedy, accept_sample, compact_cache, gather_features, verify
+from engine.verifier import accept_greedy, accept_sample, compact_cache, gather_features, target_forward, verify
 
 MODES = ("ar", "chain", "tree", "bastion")
 
@@ -201,13 +201,8 @@ class Engine:
             eos=set() if params.ignore_eos else set(self.eos_ids),
         )
         with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([seq.prompt_ids], device=self.model.device),
-                past_key_values=seq.cache,
-                use_cache=True,
-                output_hidden_states=bool(flayers),
-                logits_to_keep=1,
-            )
+            out = target_forward(self.model, torch.tensor([seq.prompt_ids], device=self.model.device), seq.cache,
+                                 hidden=bool(flayers), logits_to_keep=1)
             if drafter is not None:
                 drafter.extend(seq.drafter_state, seq.prompt_ids, gather_features(out.hidden_states, flayers))
             seq.root = select_token(out.logits[0, -1], params, gen)

@@ -1,6 +1,7 @@
 """Tree verification: one target forward with the tree mask, acceptance, and KV-cache compaction."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,33 @@ class VerifyOutput:
 
     logits: torch.Tensor
     features: torch.Tensor | None
+
+
+_CACHE_KW: dict[type, str] = {}
+
+
+def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, attention_mask=None,
+                   hidden: bool = False, logits_to_keep: int = 0):
+    """One target forward on top of `cache` (updated in place); returns the transformers output.
+
+    input_ids: [1, s]; position_ids: [1, s] or None (continue after the cache);
+    attention_mask: [1, 1, s, c + s] additive or None (causal). Passes the cache under the
+    keyword this transformers version expects ('cache', formerly 'past_key_values').
+    """
+    cls = type(model)
+    if cls not in _CACHE_KW:
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KW[cls] = "cache" if "cache" in params else "past_key_values"
+    kwargs = {_CACHE_KW[cls]: cache}
+    return model(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        output_hidden_states=hidden,
+        logits_to_keep=logits_to_keep,
+        **kwargs,
+    )
 
 
 def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor | None:
@@ -43,14 +71,8 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
         mask = None
     else:
         mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
-    out = model(
-        input_ids=ids,
-        position_ids=tree.position_ids(prefix_len).to(dev),
-        attention_mask=mask,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(feature_layers),
-    )
+    out = target_forward(model, ids, cache, position_ids=tree.position_ids(prefix_len).to(dev),
+                         attention_mask=mask, hidden=bool(feature_layers))
     feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
     return VerifyOutput(logits=out.logits[0], features=feats)
 

@@ -1,0 +1,115 @@
+"""Build a ready Engine from user-facing settings (target, drafter, dtype, mode, budget)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafting.base import Drafter
+from engine.engine import MODES, Engine, make_policy_factory
+from engine.loader import DEFAULT_TARGET, Target, load_target
+
+log = logging.getLogger(__name__)
+
+#: The drafter shipped for the embedded default target (trained by `bastion train-drafter`).
+SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafting" / "checkpoints" / "smollm2-dflash"
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together (for example a speculative mode without a drafter)."""
+
+
+@dataclass
+class EngineSettings:
+    """User-facing engine settings; every field maps to a CLI flag and an environment variable.
+
+    target: HF id, folder or .gguf (None: embedded default). drafter: DFlash folder or
+    hub id, 'none', or None for the default (the shipped drafter of the default target).
+    mode: 'ar' | 'chain' | 'tree' | 'bastion' (None: 'bastion' when a drafter exists, else 'ar').
+    budget: tree size for mode 'tree'. dtype: 'float32' | 'bfloat16'. threads: torch CPU threads (0: torch default).
+    """
+
+    target: str | None = None
+    drafter: str | None = None
+    mode: str | None = None
+    budget: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 0
+
+
+def default_drafter_for(target: Target) -> str | None:
+    """The drafter used when none is named: the shipped one for the embedded default, else none."""
+    if target.name == DEFAULT_TARGET and (SHIPPED_DRAFTER / "config.json").is_file():
+        return str(SHIPPED_DRAFTER)
+    return None
+
+
+def load_drafter(spec: str | None, target: Target) -> Drafter | None:
+    """Load a drafter by name for `target`: None/'none' -> no drafter; otherwise a DFlash checkpoint.
+
+    Raises drafting.dflash.DrafterLoadError on a bad checkpoint.
+    """
+    if spec is None or spec == "none":
+        return None
+    from drafting.dflash import load_dflash
+
+    return load_dflash(spec, target.model)
+
+
+def build_engine(settings: EngineSettings, target: Target | None = None) -> Engine:
+    """Load what the settings name and return an Engine (the controller is built for 'bastion').
+
+    Raises ConfigError for a speculative mode without a drafter or an unknown mode;
+    TargetLoadError / DrafterLoadError for bad checkpoints.
+    """
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.mode is not None and settings.mode not in MODES:
+        raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
+    target = target or load_target(settings.target, settings.dtype, settings.device)
+    drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)
+    drafter = load_drafter(drafter_spec, target)
+    mode = settings.mode or ("bastion" if drafter is not None else "ar")
+    if mode != "ar" and drafter is None:
+        raise ConfigError(
+            f"mode '{mode}' needs a drafter, and none was given or shipped for target '{target.name}'; "
+            "pass --drafter PATH or use --mode ar"
+        )
+    if mode == "ar":
+        return Engine(target, None, make_policy_factory("ar"))
+    if mode == "bastion":
+        from controller.runtime import attach_controller
+
+        return attach_controller(Engine(target, drafter), settings)
+    block = getattr(drafter, "block_size", drafter.max_depth + 1)
+    return Engine(target, drafter, make_policy_factory(mode, settings.budget, block))
+
+
+def add_engine_arguments(parser) -> None:
+    """Add the shared engine flags; each defaults to an environment variable BASTION_<FLAG>."""
+    import os
+
+    env = os.environ.get
+    parser.add_argument("--target", default=env("BASTION_TARGET"), help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id, or 'none' (default: the shipped drafter of the default target)")
+    parser.add_argument("--mode", default=env("BASTION_MODE"), choices=MODES, help="decoding mode (default: bastion with a drafter, else ar)")
+    parser.add_argument("--budget", type=int, default=int(env("BASTION_BUDGET", "32")), help="tree size for --mode tree")
+    parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
+    parser.add_argument("--device", default=env("BASTION_DEVICE", "cpu"), help="torch device (cpu, cuda)")
+    parser.add_argument("--threads", type=int, default=int(env("BASTION_THREADS", "0")), help="torch CPU threads (0: default)")
+
+
+def settings_from_args(args) -> EngineSettings:
+    """EngineSettings from parsed `add_engine_arguments` flags."""
+    return EngineSettings(
+        target=args.target,
+        drafter=args.drafter,
+        mode=args.mode,
+        budget=args.budget,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+    )
