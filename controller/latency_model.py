@@ -102,7 +102,7 @@ def _line_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float
 
 
 def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
-               sigma_scale=None) -> LatencyParams:
+               sigma_scale=None, robust: bool = True) -> LatencyParams:
     """Fit (alpha_c, beta_c, alpha_m, beta_m) to measured forwards by non-linear least squares.
 
     s, c: [N] new and cached tokens; seconds: [N] measured latencies (seconds, > 0).
@@ -111,6 +111,8 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
     more, as in the reference calibration, while s = 1 (the AR step) still matters.
     Several starts (each line fitted alone to the points it would dominate) guard against
     the kink of the max; the start with the lowest weighted residual wins.
+    robust: soft-L1 loss (scale 5 % relative error), so a few timings spoiled by another
+    process on a shared machine do not drag the fit; False gives plain least squares.
     Raises ValueError with fewer than 4 points or non-positive timings.
     """
     s = np.asarray(s, dtype=np.float64)
@@ -140,14 +142,16 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
             am, bm = _line_fit(x[1][lo], y[lo], w[lo])
             starts.append((ac, bc, am, bm))
 
+    loss = {"loss": "soft_l1", "f_scale": 0.05} if robust else {}
     best, best_cost = None, float("inf")
     bounds = ([0.0, 0.0, 0.0, 0.0], [np.inf] * 4)
     for p0 in starts:
         try:
-            popt, _ = curve_fit(_roofline, x, y, p0=p0, sigma=sigma, bounds=bounds, max_nfev=2000)
+            popt, _ = curve_fit(_roofline, x, y, p0=p0, sigma=sigma, bounds=bounds, max_nfev=2000, **loss)
         except (RuntimeError, ValueError):
             continue
-        cost = float(np.sum(((_roofline(x, *popt) - y) / sigma) ** 2))
+        z = ((_roofline(x, *popt) - y) / sigma) ** 2
+        cost = float(np.sum(2 * 0.05**2 * (np.sqrt(1 + z / 0.05**2) - 1)) if robust else np.sum(z))
         if cost < best_cost:
             best, best_cost = popt, cost
     if best is None:

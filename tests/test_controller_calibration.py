@@ -176,3 +176,34 @@ def test_calibrate_real_tiny_forward(tmp_path):
     # the timer leaves its cache at exactly c tokens between calls
     measure(8, 128)
     assert measure.caches[128].get_seq_length() == 128
+
+
+def test_robust_fit_ignores_timings_spoiled_by_a_busy_machine():
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    pts = np.array(GRID.points())
+    s, c = pts[:, 0], pts[:, 1]
+    y = truth.predict(s, c) * (1 + 0.02 * np.random.default_rng(2).standard_normal(len(s)))
+    y[[3, 10, 22]] *= np.array([8.0, 15.0, 4.0])  # another process stole the cores for three points
+    robust = LatencyModel(SHAPE, CEIL, fit_params(SHAPE, CEIL, s, c, y))
+    plain = LatencyModel(SHAPE, CEIL, fit_params(SHAPE, CEIL, s, c, y, robust=False))
+    clean = np.setdiff1d(np.arange(len(s)), [3, 10, 22])
+    err_robust = mape(truth.predict(s[clean], c[clean]), robust.predict(s[clean], c[clean]))
+    err_plain = mape(truth.predict(s[clean], c[clean]), plain.predict(s[clean], c[clean]))
+    assert err_robust < 0.01 and err_plain > 1.5 * err_robust
+
+
+def test_outliers_are_measured_again_and_the_faster_median_kept(tmp_path):
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    spoiled = {(8, 512): 6, (64, 2048): 6}  # the first 6 calls at these points are 10x slow
+    calls = {}
+
+    def measure(s, c):
+        calls[(s, c)] = calls.get((s, c), 0) + 1
+        slow = spoiled.get((s, c), 0) >= calls[(s, c)]
+        return truth.predict(s, c) * (10.0 if slow else 1.0)
+    res = cal.calibrate(measure, CFG, torch.float32, GRID, model_name="m", ceilings=CEIL, cache_dir=tmp_path,
+                        warmup=1, repeats=5, time_budget_s=None, progress=False)
+    assert calls[(8, 512)] == 12 and calls[(64, 2048)] == 12 and calls[(1, 64)] == 6
+    got = {(s, c): t for s, c, t in res.points}
+    assert got[(8, 512)] == pytest.approx(truth.predict(8, 512))
+    assert res.fit_mape < 1e-3
