@@ -171,13 +171,15 @@ def save_cached(path: Path, result: CalibrationResult) -> None:
 
 
 def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: int = 3, repeats: int = 5,
-                 time_budget_s: float | None = None, progress: bool = True) -> list[tuple[int, int, float]]:
+                 time_budget_s: float | None = None, progress: bool = True,
+                 stop_when_spent: bool = False) -> list[tuple[int, int, float]]:
     """Median latency (seconds) per (s, c) point: `warmup` untimed calls, then `repeats` timed calls.
 
     With time_budget_s (CPU), the full warm-up is done once at the first point and one
     warm-up per later point; timed runs stop early (at least one) when a point exceeds
-    its share of the remaining budget, so the grid finishes in about time_budget_s.
-    Returns [(s, c, median seconds)] in the order of `points`.
+    its share of the remaining budget, so the grid finishes in about time_budget_s; once the
+    budget is spent, later points get one timed run and no warm-up, or (stop_when_spent) are
+    skipped. Returns [(s, c, median seconds)] in the order of `points` (a prefix if skipped).
     """
     out: list[tuple[int, int, float]] = []
     start = time.perf_counter()
@@ -187,7 +189,11 @@ def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: i
         share = None
         if time_budget_s is not None:
             share = max(time_budget_s - (point_start - start), 0.0) / (len(points) - i)
+            if share == 0.0 and stop_when_spent:
+                break
         n_warm = warmup if (i == 0 or time_budget_s is None) else min(warmup, 1)
+        if share == 0.0:
+            n_warm = 0
         for _ in range(n_warm):
             measure_fn(s, c)
         runs: list[float] = []
@@ -233,7 +239,8 @@ def remeasure_outliers(measure_fn: MeasureFn, shape: ModelShape, ceilings: Ceili
     """Time again the points a robust fit misses by more than OUTLIER_REL_ERROR; keep the faster median.
 
     Another process on the machine only ever slows a forward down, so of two medians the
-    lower is the better estimate. Returns (points, number re-measured).
+    lower is the better estimate. Stops when time_budget_s is spent.
+    Returns (points, number re-measured).
     """
     arr = np.asarray(points, dtype=np.float64)
     params = fit_params(shape, ceilings, arr[:, 0], arr[:, 1], arr[:, 2])
@@ -241,12 +248,14 @@ def remeasure_outliers(measure_fn: MeasureFn, shape: ModelShape, ceilings: Ceili
     bad = [i for i in range(len(points)) if abs(pred[i] - arr[i, 2]) / arr[i, 2] > OUTLIER_REL_ERROR]
     if not bad:
         return points, 0
-    again = measure_grid(measure_fn, [points[i][:2] for i in bad], min(warmup, 1), repeats, time_budget_s, progress)
+    again = measure_grid(measure_fn, [points[i][:2] for i in bad], min(warmup, 1), repeats, time_budget_s, progress,
+                         stop_when_spent=True)
     out = list(points)
     for i, (s, c, t) in zip(bad, again):
         out[i] = (s, c, min(t, points[i][2]))
-    log.info("re-measured %d calibration points off the first fit by > %.0f %%", len(bad), 100 * OUTLIER_REL_ERROR)
-    return out, len(bad)
+    log.info("re-measured %d of %d calibration points off the first fit by > %.0f %%", len(again), len(bad),
+             100 * OUTLIER_REL_ERROR)
+    return out, len(again)
 
 
 def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: CalibrationGrid | None = None, *,

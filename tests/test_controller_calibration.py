@@ -207,3 +207,19 @@ def test_outliers_are_measured_again_and_the_faster_median_kept(tmp_path):
     got = {(s, c): t for s, c, t in res.points}
     assert got[(8, 512)] == pytest.approx(truth.predict(8, 512))
     assert res.fit_mape < 1e-3
+
+
+def test_spent_budget_skips_warmups_or_points():
+    import time
+    calls = []
+
+    def slow(s, c):
+        calls.append(s)
+        time.sleep(0.02)
+        return 0.02
+    pts = [(s, 64) for s in range(1, 9)]
+    out = cal.measure_grid(slow, pts, warmup=3, repeats=5, time_budget_s=0.05, progress=False)
+    assert len(out) == 8 and len(calls) <= 3 + 1 + 2 * 2 + 8  # budget gone after ~2 points: 1 run each after
+    calls.clear()
+    out = cal.measure_grid(slow, pts, warmup=3, repeats=5, time_budget_s=0.05, progress=False, stop_when_spent=True)
+    assert 1 <= len(out) < 8 and out == [(s, 64, 0.02) for s, _ in pts[:len(out)]]
