@@ -65,7 +65,7 @@ class BudgetController:
         self.steps = 0
         self.calibration: CalibrationResult | None = None
         self._costs: list[float] = []
-        self._costs_key: tuple[int, int] | None = None
+        self._costs_key: tuple[int, LatencyModel] | None = None
         self.metrics.set_params(model.params)
         if heldout_mape is not None:
             self.metrics.fit_error.labels(kind="calibration_heldout").set(heldout_mape)
@@ -118,10 +118,10 @@ class BudgetController:
 
     def verify_costs(self, context_len: int) -> list[float]:
         """[max_nodes + 1] C(n) seconds at context_len, cached until the context or the model changes."""
-        key = (context_len, id(self.profiler.model))
-        if key != self._costs_key:
-            self._costs = self.profiler.model.verify_costs(self.settings.max_nodes, context_len)
-            self._costs_key = key
+        model = self.profiler.model
+        if self._costs_key is None or self._costs_key[0] != context_len or self._costs_key[1] is not model:
+            self._costs = model.verify_costs(self.settings.max_nodes, context_len)
+            self._costs_key = (context_len, model)
         return self._costs
 
     def policy_for_step(self, context_len: int) -> AdaptivePolicy:
