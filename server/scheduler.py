@@ -1,0 +1,331 @@
+"""Bounded request queue and the one engine worker thread that owns the model.
+
+The asyncio event loop never runs model code: HTTP handlers `submit` an `EngineRequest`
+and receive its events through the request's `sink` (a thread-safe callable). The worker
+thread builds the engine (so loading never blocks the loop), times a one-token forward
+for the speedup estimate, then loops: admit waiting requests in arrival order up to
+`max_running`, and advance every running sequence by one `engine.step`. With
+`max_running=1` requests are decoded one at a time in arrival order; larger values
+interleave steps of several sequences (each owns its cache), the seam where a later
+batched step plugs in.
+
+A request whose `cancel()` was called (client gone, shutdown) is finished with
+'cancelled' before its next step, so it runs at most one more step.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.engine import Engine, GenerationEvent, Sequence, StepStats
+from engine.sampling import SamplingParams
+from server.metrics import MAX_DEPTH_LABEL, ServerMetrics, SpeedupEstimator
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queue` requests already (HTTP 429)."""
+
+
+class NotReadyError(RuntimeError):
+    """The model is still loading, failed to load, or the server is shutting down (HTTP 503)."""
+
+
+class RequestFailed(RuntimeError):
+    """Delivered through a sink when the engine raised while serving the request."""
+
+    def __init__(self, message: str, client_error: bool = False):
+        super().__init__(message)
+        self.client_error = client_error  # True: the engine refused the input (ValueError): HTTP 400
+
+
+@dataclass
+class EngineRequest:
+    """One request's server-side state. Times are time.perf_counter() seconds.
+
+    sink(item) receives, from the worker thread, each GenerationEvent in order and, on
+    failure, one RequestFailed; the last event delivered has a finish_reason. It must not block.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[object], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    # Set by the worker:
+    started: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    finish_reason: str | None = None
+    n_tokens: int = 0
+    steps: list[StepStats] = field(default_factory=list)
+    steps_at_cancel: int | None = None  # len(steps) when cancel() was called
+    seq: Sequence | None = None
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this request before its next step (thread-safe, idempotent)."""
+        if not self._cancel.is_set():
+            self.steps_at_cancel = len(self.steps)
+            self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def steps_after_cancel(self) -> int | None:
+        """Steps run after cancel() was called (None if never cancelled)."""
+        return None if self.steps_at_cancel is None else len(self.steps) - self.steps_at_cancel
+
+
+class Scheduler:
+    """FIFO admission from a bounded queue into at most `max_running` sequences, one worker thread.
+
+    engine_factory: called once on the worker thread; returns the Engine.
+    max_queue: waiting requests allowed (submit raises QueueFullError beyond it).
+    max_running: sequences decoded concurrently (interleaved step by step).
+    metrics: ServerMetrics to update (None: no metrics).
+    history: how many finished requests `recent` keeps (for tests and debugging).
+    """
+
+    def __init__(self, engine_factory: Callable[[], Engine], max_queue: int = 64, max_running: int = 1,
+                 metrics: ServerMetrics | None = None, history: int = 256):
+        if max_queue < 0 or max_running < 1:
+            raise ValueError(f"need max_queue >= 0 and max_running >= 1, got {max_queue}, {max_running}")
+        self._factory = engine_factory
+        self.max_queue = max_queue
+        self.max_running = max_running
+        self.metrics = metrics
+        self.engine: Engine | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.speedup = SpeedupEstimator()
+        self.recent: deque[EngineRequest] = deque(maxlen=history)
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
+        self._cv = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.on_ready: Callable[[], None] | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread (it loads the engine, then serves)."""
+        self._thread = threading.Thread(target=self._main, name="bastion-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop accepting; let queued and running requests finish for up to `timeout` seconds,
+        then cancel what remains and join the worker. Returns True if the worker exited."""
+        with self._cv:
+            self._accepting = False
+            self._cv.notify_all()
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cv:
+            while (self._waiting or self._running) and time.monotonic() < deadline:
+                self._cv.wait(timeout=0.05)
+            for req in list(self._waiting) + list(self._running):
+                req.cancel()
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(5.0, timeout))
+            return not self._thread.is_alive()
+        return True
+
+    # ---- the HTTP side ---------------------------------------------------------------------
+    def submit(self, req: EngineRequest) -> None:
+        """Queue a request (thread-safe; never blocks on model work).
+
+        Raises NotReadyError while loading / after shutdown began, QueueFullError when
+        `max_queue` requests are already waiting.
+        """
+        with self._cv:
+            if not self._accepting:
+                raise NotReadyError("the server is shutting down")
+            if not self.ready.is_set():
+                raise NotReadyError("the model is still loading" if self.load_error is None
+                                    else f"the model failed to load: {self.load_error}")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(req)
+            self._gauges()
+            self._cv.notify_all()
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000000}"
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- the worker ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.engine = self._factory()
+            self.speedup.ar_probe_s = self._time_one_token()
+        except BaseException as e:  # noqa: BLE001 - reported to /health and the CLI
+            log.exception("engine failed to load")
+            self.load_error = e
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+            return
+        self.ready.set()
+        if self.metrics is not None:
+            self.metrics.ready.set(1)
+        log.info("engine ready (one-token forward %.1f ms)", 1e3 * (self.speedup.ar_probe_s or 0))
+        if self.on_ready is not None:
+            self.on_ready()
+        self._loop()
+
+    def _time_one_token(self) -> float:
+        """Seconds of a one-token prefill (the AR step time before any root-only step is seen)."""
+        eng = self.engine
+        ids = eng.tokenizer("Hi", add_special_tokens=False)["input_ids"][:1] or [0]
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        eng.start(ids, params)  # warm-up
+        t0 = time.perf_counter()
+        eng.start(ids, params)
+        return time.perf_counter() - t0
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stop:
+                    pending = list(self._waiting) + list(self._running)
+                    self._waiting.clear()
+                    self._running.clear()
+                else:
+                    pending = []
+                    admitted = []
+                    while self._waiting and len(self._running) + len(admitted) < self.max_running:
+                        admitted.append(self._waiting.popleft())
+                    self._running.extend(admitted)
+                self._gauges()
+            if self._stop:
+                for req in pending:
+                    self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
+                return
+            for req in admitted:
+                self._prefill(req)
+            for req in list(self._running):
+                if req.finish_reason is None and req.seq is not None and req not in admitted:
+                    self._step(req)
+            with self._cv:
+                self._running = [r for r in self._running if r.finish_reason is None]
+                self._gauges()
+                self._cv.notify_all()
+
+    def _prefill(self, req: EngineRequest) -> None:
+        now = time.perf_counter()
+        req.started = now
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(now - req.arrival)
+        if req.cancelled:
+            self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
+            return
+        try:
+            req.seq = self.engine.start(req.prompt_ids, req.params)
+        except ValueError as e:
+            self._fail(req, RequestFailed(str(e), client_error=True))
+            return
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+            log.exception("prefill failed for %s", req.request_id)
+            self._fail(req, RequestFailed(f"internal error during prefill: {type(e).__name__}"))
+            return
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+        self._deliver(req, req.seq.pending)
+
+    def _step(self, req: EngineRequest) -> None:
+        if req.cancelled:
+            self._finish(req, "cancelled", GenerationEvent([], req.seq.detok.release(final=True), "cancelled"))
+            return
+        try:
+            ev = self.engine.step(req.seq)
+        except Exception as e:  # noqa: BLE001
+            log.exception("decoding step failed for %s", req.request_id)
+            self._fail(req, RequestFailed(f"internal error during decoding: {type(e).__name__}"))
+            return
+        req.steps.append(ev.step)
+        self._record_step(ev.step)
+        self._deliver(req, ev)
+
+    def _record_step(self, st: StepStats) -> None:
+        self.speedup.record(st.tree_size, st.accepted, st.draft_s, st.verify_s, st.other_s)
+        m = self.metrics
+        if m is None:
+            return
+        m.drafts.inc()
+        m.draft_tokens.inc(st.tree_size - 1)
+        accepted = min(st.accepted_depth, st.accepted)  # drafted tokens actually committed
+        m.accepted_tokens.inc(accepted)
+        for d in range(1, min(accepted, MAX_DEPTH_LABEL) + 1):
+            m.accepted_per_depth.labels(depth=str(d)).inc()
+        if self.engine.step_hook is None:  # with a controller attached, its profiler observes these
+            m.tree_size.observe(st.tree_size)
+            m.accepted_length.observe(st.accepted)
+        m.speedup.set(self.speedup.value())
+
+    def _deliver(self, req: EngineRequest, ev: GenerationEvent) -> None:
+        now = time.perf_counter()
+        n = len(ev.token_ids)
+        if n:
+            if req.first_token is None:
+                req.first_token = now
+                if self.metrics is not None:
+                    self.metrics.ttft.observe(now - req.arrival)
+            elif self.metrics is not None:
+                per = (now - req.last_token) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(per)
+            req.last_token = now
+            req.n_tokens += n
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc(n)
+        if ev.finish_reason is not None:
+            self._finish(req, ev.finish_reason, ev)
+        else:
+            self._send(req, ev)
+
+    def _finish(self, req: EngineRequest, reason: str, ev: object) -> None:
+        req.finish_reason = reason
+        req.finished = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.requests.labels(finish_reason=reason).inc()
+            self.metrics.e2e.observe(req.finished - req.arrival)
+        req.seq = None  # frees the KV cache; `recent` keeps only the statistics
+        self.recent.append(req)
+        self._send(req, ev)
+
+    def _fail(self, req: EngineRequest, err: RequestFailed) -> None:
+        self._finish(req, "error", err)
+
+    @staticmethod
+    def _send(req: EngineRequest, item: object) -> None:
+        try:
+            req.sink(item)
+        except Exception:  # noqa: BLE001 - the client's loop may be gone (shutdown); never kill the worker
+            log.debug("could not deliver to %s", req.request_id, exc_info=True)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.running.set(len(self._running))

@@ -1,0 +1,89 @@
+"""Server pieces that need no model: request validation, error envelope, SSE framing, speedup estimate."""
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from server.metrics import SpeedupEstimator, server_metrics
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from server.serving import sse
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> bytes:
+    return json.dumps({"messages": MSG, **kw}).encode()
+
+
+def test_valid_request_defaults_and_aliases():
+    r = parse_request(ChatCompletionRequest, chat(max_tokens=5, max_completion_tokens=7, stop="x", unknown=1))
+    assert r.requested_max_tokens() == 7  # max_completion_tokens wins
+    assert r.stop_list() == ["x"]
+    assert r.temperature == 1.0 and r.top_p == 1.0 and r.n == 1 and r.stream is False
+    r = parse_request(ChatCompletionRequest, json.dumps({"messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "assistant", "content": None}, {"role": "user", "content": "q"}]}).encode())
+    assert [m.as_template_dict() for m in r.messages] == [
+        {"role": "system", "content": "be brief"}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": "q"}]
+    assert parse_request(ChatCompletionRequest, chat(temperature=1)).temperature == 1.0  # int accepted as float
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b"{", None, "not valid JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    (json.dumps({"messages": []}).encode(), "messages", "at least 1"),
+    (json.dumps({"messages": [{"role": "bot", "content": "x"}]}).encode(), "messages[0].role", "'user'"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
+     "messages[0].content[0]", "text"),
+    (chat(n=2), "n", "n must be 1"),
+    (chat(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+    (chat(logprobs=True), "logprobs", "not supported"),
+    (chat(max_tokens="5"), "max_tokens", "integer"),
+    (chat(stream_options={"include_usage": True}), None, "stream_options"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None, ""),
+])
+def test_invalid_requests_name_the_field(body, param, words):
+    with pytest.raises(APIError) as ei:
+        parse_request(ChatCompletionRequest, body)
+    e = ei.value
+    assert e.status == 400 and e.type == "invalid_request_error"
+    if param is not None:
+        assert e.param is not None and e.param.startswith(param)
+    assert words in e.message
+    env = e.envelope()["error"]
+    assert set(env) == {"message", "type", "param", "code"} and env["message"] == e.message
+
+
+def test_completion_request_refuses_unsupported_options():
+    assert parse_request(CompletionRequest, b'{"prompt": "a"}').prompt == "a"
+    for extra in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"suffix": "z"}):
+        with pytest.raises(APIError):
+            parse_request(CompletionRequest, json.dumps({"prompt": "a", **extra}).encode())
+
+
+def test_sse_frames():
+    assert sse("[DONE]") == "data: [DONE]\n\n"
+    frame = sse({"a": "é"})
+    assert frame == 'data: {"a":"é"}\n\n'
+
+
+def test_speedup_estimator():
+    est = SpeedupEstimator(ar_probe_s=0.010)
+    assert est.value() == 1.0  # no speculative step yet
+    est.record(16, 3, draft_s=0.002, verify_s=0.015, other_s=0.003)  # 3 tokens in 20 ms
+    assert est.value() == pytest.approx(3 * 0.010 / 0.020)  # probe used as AR time
+    est.record(1, 1, draft_s=0.0, verify_s=0.008, other_s=0.001)  # a root-only step replaces the probe
+    assert est.ar_step_s == pytest.approx(0.008)
+    assert est.value() == pytest.approx(3 * 0.008 / 0.020)
+
+
+def test_server_metrics_once_per_registry():
+    reg = CollectorRegistry()
+    assert server_metrics(reg) is server_metrics(reg)  # no duplicate registration
+    other = server_metrics(CollectorRegistry())
+    assert other is not server_metrics(reg)
+    m = server_metrics(reg)
+    m.generation_tokens.inc(3)
+    assert reg.get_sample_value("bastion_generation_tokens_total") == 3.0
+    assert reg.get_sample_value("bastion_estimated_speedup") == 1.0
