@@ -176,7 +176,7 @@ def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: i
     """Median latency (seconds) per (s, c) point: `warmup` untimed calls, then `repeats` timed calls.
 
     With time_budget_s (CPU), the full warm-up is done once at the first point and one
-    warm-up per later point; timed runs stop early (at least one) when a point exceeds
+    warm-up when c changes; timed runs stop early (at least one) when a point exceeds
     its share of the remaining budget, so the grid finishes in about time_budget_s; once the
     budget is spent, later points get one timed run and no warm-up, or (stop_when_spent) are
     skipped. Returns [(s, c, median seconds)] in the order of `points` (a prefix if skipped).
@@ -191,9 +191,12 @@ def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: i
             share = max(time_budget_s - (point_start - start), 0.0) / (len(points) - i)
             if share == 0.0 and stop_when_spent:
                 break
-        n_warm = warmup if (i == 0 or time_budget_s is None) else min(warmup, 1)
-        if share == 0.0:
-            n_warm = 0
+        if time_budget_s is None or i == 0:
+            n_warm = warmup
+        elif share == 0.0 or c == points[i - 1][1]:
+            n_warm = 0  # same cache as the previous point: the median of the timed runs suffices
+        else:
+            n_warm = min(warmup, 1)
         for _ in range(n_warm):
             measure_fn(s, c)
         runs: list[float] = []
