@@ -141,11 +141,15 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, "internal server error", type="server_error", code="internal_error")
 
 
+#: How much of an oversized body is read and discarded before the connection is given up.
+DRAIN_BYTES = 64 * 1024 * 1024
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most `limit` bytes.
 
     Raises APIError(413) for a larger body (declared or actual). The excess is read and
-    discarded up to 8x the limit so the client can receive the answer on a sane connection.
+    discarded (up to DRAIN_BYTES or 8x the limit) so the client can read the answer on a sane connection.
     """
     declared = request.headers.get("content-length", "")
     too_big = declared.isdigit() and int(declared) > limit
@@ -156,7 +160,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if not too_big:
             buf += chunk
             too_big = seen > limit
-        if seen > 8 * limit:
+        if seen > max(8 * limit, DRAIN_BYTES):
             break
     if too_big:
         raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
