@@ -101,8 +101,8 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
         if scheduler.ready.is_set():
             return {"status": "ok"}
         if scheduler.load_error is not None:
-            raise APIError(503, f"the model failed to load: {scheduler.load_error}", type="server_error",
-                           code="load_failed")
+            what = "the model failed to load" if scheduler.engine is None else "the engine worker stopped"
+            raise APIError(503, f"{what}: {scheduler.load_error}", type="server_error", code="engine_failed")
         raise APIError(503, "the model is still loading", type="server_error", code="model_not_ready",
                        headers={"Retry-After": "5"})
 

@@ -62,7 +62,7 @@ class ServerMetrics:
         self.ready = Gauge("bastion_model_ready", "1 once the model (and calibration) is ready", registry=r)
         self.speedup.set(1.0)
         # Tree size and accepted length histograms are the controller's; reused, never redefined.
-        ctrl = controller_metrics(r)
+        self.controller = ctrl = controller_metrics(r)
         self.tree_size = ctrl.tree_size
         self.accepted_length = ctrl.accepted
 

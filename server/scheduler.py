@@ -166,6 +166,11 @@ class Scheduler:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000000}"
 
+    def find_finished(self, request_id: str) -> EngineRequest | None:
+        """The finished request with this id among the last `history` ones, else None (thread-safe)."""
+        with self._cv:
+            return next((r for r in self.recent if r.request_id == request_id), None)
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -191,7 +196,21 @@ class Scheduler:
         log.info("engine ready (one-token forward %.1f ms)", 1e3 * (self.speedup.ar_probe_s or 0))
         if self.on_ready is not None:
             self.on_ready()
-        self._loop()
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a scheduler bug: stop serving visibly, never hang clients
+            log.exception("engine worker stopped")
+            self.ready.clear()
+            self.load_error = e
+            if self.metrics is not None:
+                self.metrics.ready.set(0)
+            with self._cv:
+                pending = list(self._waiting) + list(self._running)
+                self._waiting.clear()
+                self._running.clear()
+            for req in pending:
+                if req.finish_reason is None:
+                    self._fail(req, RequestFailed("internal error: the engine worker stopped"))
 
     def _time_one_token(self) -> float:
         """Seconds of a one-token prefill (the AR step time before any root-only step is seen)."""
@@ -224,14 +243,23 @@ class Scheduler:
                     self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
                 return
             for req in admitted:
-                self._prefill(req)
+                self._guarded(self._prefill, req)
             for req in list(self._running):
-                if req.finish_reason is None and req.seq is not None and req not in admitted:
-                    self._step(req)
+                if req.finish_reason is None and req.seq is not None and all(req is not a for a in admitted):
+                    self._guarded(self._step, req)
             with self._cv:
                 self._running = [r for r in self._running if r.finish_reason is None]
                 self._gauges()
                 self._cv.notify_all()
+
+    def _guarded(self, fn: Callable[[EngineRequest], None], req: EngineRequest) -> None:
+        """Run fn(req); a bug in it fails this request only (HTTP 500), never the worker."""
+        try:
+            fn(req)
+        except Exception as e:  # noqa: BLE001
+            log.exception("scheduler error on %s", req.request_id)
+            if req.finish_reason is None:
+                self._fail(req, RequestFailed(f"internal error: {type(e).__name__}"))
 
     def _prefill(self, req: EngineRequest) -> None:
         now = time.perf_counter()
@@ -279,7 +307,8 @@ class Scheduler:
         m.accepted_tokens.inc(accepted)
         for d in range(1, min(accepted, MAX_DEPTH_LABEL) + 1):
             m.accepted_per_depth.labels(depth=str(d)).inc()
-        if self.engine.step_hook is None:  # with a controller attached, its profiler observes these
+        if getattr(getattr(self.engine, "controller", None), "metrics", None) is not m.controller:
+            # The adaptive controller observes these two on its own registry; the fixed modes do not.
             m.tree_size.observe(st.tree_size)
             m.accepted_length.observe(st.accepted)
         m.speedup.set(self.speedup.value())
@@ -312,7 +341,8 @@ class Scheduler:
             self.metrics.requests.labels(finish_reason=reason).inc()
             self.metrics.e2e.observe(req.finished - req.arrival)
         req.seq = None  # frees the KV cache; `recent` keeps only the statistics
-        self.recent.append(req)
+        with self._cv:
+            self.recent.append(req)
         self._send(req, ev)
 
     def _fail(self, req: EngineRequest, err: RequestFailed) -> None:

@@ -21,23 +21,27 @@ def _env(name: str, default):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags (engine.factory.add_engine_arguments) plus the server's own."""
+    """The engine flags (engine.factory.add_engine_arguments) plus the server's own.
+
+    Defaults from the environment stay strings so argparse converts them with the flag's
+    type: a bad value is a clean usage error of `bastion serve`, not a crash of every command.
+    """
     from engine.factory import add_engine_arguments
 
     add_engine_arguments(p)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=int(_env("PORT", "8000")), help="TCP port (default 8000)")
+    p.add_argument("--port", type=int, default=_env("PORT", "8000"), help="TCP port (default 8000)")
     p.add_argument("--api-key", default=_env("API_KEY", None),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "64")),
+    p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", "64"),
                    help="requests allowed to wait; more get HTTP 429 (default 64)")
-    p.add_argument("--max-running", type=int, default=int(_env("MAX_RUNNING", "1")),
+    p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "1"),
                    help="sequences decoded at once, interleaved step by step (default 1)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                    help="model id clients send (default: the target's name)")
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("MAX_BODY_BYTES", str(4 * 1024 * 1024))),
+    p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", str(4 * 1024 * 1024)),
                    help="largest request body in bytes; more get HTTP 413 (default 4 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=float(_env("SHUTDOWN_TIMEOUT", "30")),
+    p.add_argument("--shutdown-timeout", type=float, default=_env("SHUTDOWN_TIMEOUT", "30"),
                    help="seconds running requests may take to finish on SIGTERM (default 30)")
 
 

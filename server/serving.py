@@ -207,7 +207,8 @@ class OpenAIServing:
         model, created = self.model_name, int(time.time())
         if body.stream:
             gen = self._chat_stream(req, queue, model, created, body.include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, "X-Request-Id": req.request_id})
         text, n, finish = await self._run_unary(req, queue, http)
         resp = ChatCompletionResponse(
             id=req.request_id, created=created, model=model,
@@ -284,7 +285,8 @@ class OpenAIServing:
                 final_chunk=lambda f, stats: chunk("", f, bastion=stats),
                 usage_chunk=lambda u: {"id": req.request_id, "object": "text_completion", "created": created,
                                        "model": model, "choices": [], "usage": u})
-            return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, "X-Request-Id": req.request_id})
         text, n, finish = await self._run_unary(req, queue, http)
         resp = CompletionResponse(
             id=req.request_id, created=created, model=model,

@@ -17,7 +17,12 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from engine.engine import Engine, make_policy_factory
+from engine.engine import Engine
+
+try:  # the engine's per-step controller (fixed modes); older engines took a policy factory
+    from engine.engine import make_controller as fixed_mode
+except ImportError:  # pragma: no cover
+    from engine.engine import make_policy_factory as fixed_mode
 from engine.sampling import SamplingParams
 from server.app import ServerConfig, create_app
 
@@ -59,9 +64,9 @@ class Live:
     def finished(self, request_id: str, timeout: float = 60.0):
         deadline = time.monotonic() + timeout
         while True:
-            for r in list(self.scheduler.recent):
-                if r.request_id == request_id:
-                    return r
+            r = self.scheduler.find_finished(request_id)
+            if r is not None:
+                return r
             assert time.monotonic() < deadline, f"request {request_id} never finished"
             time.sleep(0.05)
 
@@ -69,7 +74,7 @@ class Live:
 @pytest.fixture(scope="session")
 def live(target_f32):
     """One uvicorn server for the session, on a free port, API key required, 4 interleaved sequences."""
-    engine = Engine(target_f32, None, make_policy_factory("ar"))
+    engine = Engine(target_f32, None, fixed_mode("ar"))
     registry = CollectorRegistry()
     app = create_app(lambda: engine, ServerConfig(served_model_name=MODEL, api_key=KEY, max_queue=16,
                                                    max_running=4, max_body_bytes=1024 * 1024), registry)
@@ -414,6 +419,11 @@ def test_engine_failure_is_500_without_trace_and_server_survives(live, monkeypat
     assert set(last) == {"error"} and last["error"]["type"] == "server_error"
     assert live.metric("bastion_requests_total", finish_reason="error") == errors_before + 2
     monkeypatch.undo()
+    # A bug in the scheduler's own bookkeeping fails that request only; the worker keeps serving.
+    monkeypatch.setattr(live.scheduler, "_record_step", broken_step)
+    r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    monkeypatch.undo()
     ids, ref = live.ref("Say hi")
     r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == ref.text
@@ -501,7 +511,7 @@ def test_health_is_503_until_the_model_is_ready(live):
 
 def test_speculative_engine_matches_ar_and_reports_stats(live, target_f32, random_drafter):
     live.wait_idle()
-    engine = Engine(target_f32, random_drafter, make_policy_factory("tree", 16))
+    engine = Engine(target_f32, random_drafter, fixed_mode("tree", 16))
     registry = CollectorRegistry()
     app = create_app(lambda: engine, ServerConfig(served_model_name=MODEL), registry)
     ids, ref = live.ref("Name a color.", max_tokens=8)
