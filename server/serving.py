@@ -239,10 +239,10 @@ class OpenAIServing:
                              ) -> AsyncIterator[str]:
         """SSE frames: `first` (may be None), one per text delta, the finish chunk with the
         'bastion' stats, the usage chunk when asked, then [DONE]; or an error frame and the end."""
-        if first is not None:
-            yield sse(first)
         n = 0
         try:
+            if first is not None:
+                yield sse(first)
             async for ev in self._events(req, queue):
                 n += len(ev.token_ids)
                 if ev.finish_reason == "cancelled":
@@ -255,6 +255,9 @@ class OpenAIServing:
         except RequestFailed as e:
             yield sse(failure_to_api_error(e).envelope())
             return
+        finally:
+            if req.finish_reason is None:  # the client left before the end (even before the first event)
+                req.cancel()
         if include_usage:
             p = len(req.prompt_ids)
             yield sse(usage_chunk({"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}))
