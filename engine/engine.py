@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from transformers import DynamicCache
 
-from drafting.base import Drafter
+from drafting.base import Drafter, Proposal
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import SamplingParams, select_token
-from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, build_tree
+from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
 from engine.verifier import accept_greedy, accept_sample, compact_cache, gather_features, target_forward, verify
 
 MODES = ("ar", "chain", "tree", "bastion")
@@ -109,52 +109,75 @@ class Sequence:
         return len(self.output_ids)
 
 
-PolicyFactory = Callable[[int], StoppingPolicy]
+class StepController(Protocol):
+    """What the engine asks each step; the fixed modes and the adaptive controller implement it."""
+
+    def policy_for_step(self, context_len: int) -> StoppingPolicy:
+        """Stopping policy for a step whose target cache holds context_len tokens."""
+        ...
+
+    def should_draft(self) -> bool:
+        """False: skip the drafter this step and decode one token plainly."""
+        ...
+
+    def correct(self, proposal: Proposal) -> Proposal:
+        """Optionally recalibrate the drafter's scores before the tree is built."""
+        ...
+
+    def observe(self, stats: StepStats, tree: Tree) -> None:
+        """Record a finished step (the online profiler's input)."""
+        ...
 
 
-def make_policy_factory(mode: str, budget: int = 32, block_size: int = 16) -> PolicyFactory:
-    """Stopping policy per step for the fixed modes: 'ar' | 'chain' | 'tree' (budget nodes).
+@dataclass
+class FixedController:
+    """The same stopping policy every step, always drafting (modes ar, chain, tree)."""
 
-    The adaptive 'bastion' mode takes its factory from the controller instead.
+    policy: StoppingPolicy
+
+    def policy_for_step(self, context_len: int) -> StoppingPolicy:
+        return self.policy
+
+    def should_draft(self) -> bool:
+        return True
+
+    def correct(self, proposal: Proposal) -> Proposal:
+        return proposal
+
+    def observe(self, stats: StepStats, tree: Tree) -> None:
+        pass
+
+
+def make_controller(mode: str, budget: int = 32, block_size: int = 16) -> FixedController:
+    """Controller for the fixed modes: 'ar' | 'chain' | 'tree' (best-first up to `budget` nodes).
+
+    The adaptive 'bastion' mode takes its controller from controller/ instead.
     Raises ValueError for an unknown mode or a budget < 1.
     """
     if mode == "ar":
-        pol: StoppingPolicy = SingleNodePolicy()
-    elif mode == "chain":
-        pol = ChainPolicy(max_nodes=block_size)
-    elif mode == "tree":
+        return FixedController(SingleNodePolicy())
+    if mode == "chain":
+        return FixedController(ChainPolicy(max_nodes=block_size))
+    if mode == "tree":
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
-        pol = FixedBudgetPolicy(budget)
-    else:
-        raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
-    return lambda context_len: pol
+        return FixedController(FixedBudgetPolicy(budget))
+    raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
 
 
 class Engine:
     """Single-request tree speculative decoding over a loaded target.
 
     target: the loaded Target. drafter: a Drafter or None (AR only).
-    policy_factory: context_len -> StoppingPolicy for each step.
-    step_hook: optional callable(StepStats) called after every step (the controller's profiler).
-    draft_gate: optional callable() -> bool; False skips drafting for a step (root-only tree).
+    controller: a StepController (default: AR, one node per step).
     """
 
-    def __init__(
-        self,
-        target: Target,
-        drafter: Drafter | None = None,
-        policy_factory: PolicyFactory | None = None,
-        step_hook: Callable[[StepStats], None] | None = None,
-        draft_gate: Callable[[], bool] | None = None,
-    ):
+    def __init__(self, target: Target, drafter: Drafter | None = None, controller: StepController | None = None):
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.drafter = drafter
-        self.policy_factory = policy_factory or make_policy_factory("ar")
-        self.step_hook = step_hook
-        self.draft_gate = draft_gate
+        self.controller = controller or make_controller("ar")
         self.eos_ids = target.eos_token_ids
 
     # ---- prompt handling -------------------------------------------------------------
@@ -222,13 +245,13 @@ class Engine:
         params = seq.params
         t0 = time.perf_counter()
         remaining = params.max_tokens - seq.n_out
-        policy = self.policy_factory(seq.prefix_len)
+        ctl = self.controller
+        policy = ctl.policy_for_step(seq.prefix_len)
         proposal = None
         max_depth = 0
-        if drafter is not None and policy.max_nodes > 1 and remaining > 1:
-            if self.draft_gate is None or self.draft_gate():
-                max_depth = min(drafter.max_depth, remaining - 1)
-                proposal = drafter.propose(seq.drafter_state, seq.root, max_depth)
+        if drafter is not None and policy.max_nodes > 1 and remaining > 1 and ctl.should_draft():
+            max_depth = min(drafter.max_depth, remaining - 1)
+            proposal = ctl.correct(drafter.propose(seq.drafter_state, seq.root, max_depth))
         t1 = time.perf_counter()
         tree = build_tree(seq.root, proposal, policy, max_depth)
         t2 = time.perf_counter()
@@ -243,7 +266,8 @@ class Engine:
         if finish is None:
             compact_cache(seq.cache, seq.prefix_len, path)
             if drafter is not None:
-                drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), vo.features[path])
+                feats = vo.features[path] if vo.features is not None else None
+                drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), feats)
             seq.prefix_len += len(path)
             seq.root = bonus
         t4 = time.perf_counter()
@@ -259,8 +283,7 @@ class Engine:
             other_s=(t2 - t1) + (t4 - t3),
         )
         seq.steps.append(stats)
-        if self.step_hook is not None:
-            self.step_hook(stats)
+        ctl.observe(stats, tree)
         return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
 
     def stream(

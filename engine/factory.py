@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from drafting.base import Drafter
-from engine.engine import MODES, Engine, make_policy_factory
+from engine.engine import MODES, Engine, make_controller
 from engine.loader import DEFAULT_TARGET, Target, load_target
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,26 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
             "pass --drafter PATH or use --mode ar"
         )
     if mode == "ar":
-        return Engine(target, None, make_policy_factory("ar"))
+        return Engine(target, None, make_controller("ar"))
     if mode == "bastion":
-        from controller.runtime import attach_controller
+        return Engine(target, drafter, build_budget_controller(target, drafter, settings))
+    return Engine(target, drafter, make_controller(mode, settings.budget, drafter.max_depth + 1))
 
-        return attach_controller(Engine(target, drafter), settings)
-    block = getattr(drafter, "block_size", drafter.max_depth + 1)
-    return Engine(target, drafter, make_policy_factory(mode, settings.budget, block))
+
+def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True):
+    """Calibrate (or load the cached calibration) and build the adaptive controller for `target`.
+
+    The latency grid is timed through the engine's own verification path (tree mask,
+    hidden-state outputs), so the fit describes what each step really runs.
+    """
+    from controller.runtime import EngineController
+    from engine.timing import verify_timer
+
+    return EngineController.from_target(
+        target.config, target.dtype, verify_timer(target.model, drafter.feature_layers),
+        device=settings.device, model_name=target.name, attn_backend="sdpa",
+        max_context=target.max_context, progress=progress, max_depth=drafter.max_depth,
+    )
 
 
 def add_engine_arguments(parser) -> None:
@@ -96,10 +109,10 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--target", default=env("BASTION_TARGET"), help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id, or 'none' (default: the shipped drafter of the default target)")
     parser.add_argument("--mode", default=env("BASTION_MODE"), choices=MODES, help="decoding mode (default: bastion with a drafter, else ar)")
-    parser.add_argument("--budget", type=int, default=int(env("BASTION_BUDGET", "32")), help="tree size for --mode tree")
+    parser.add_argument("--budget", type=int, default=env("BASTION_BUDGET", "32"), help="tree size for --mode tree")
     parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
     parser.add_argument("--device", default=env("BASTION_DEVICE", "cpu"), help="torch device (cpu, cuda)")
-    parser.add_argument("--threads", type=int, default=int(env("BASTION_THREADS", "0")), help="torch CPU threads (0: default)")
+    parser.add_argument("--threads", type=int, default=env("BASTION_THREADS", "0"), help="torch CPU threads (0: default)")
 
 
 def settings_from_args(args) -> EngineSettings:

@@ -1,0 +1,81 @@
+"""Exactness at temperature 0: every speculative mode emits the tokens of plain greedy decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine, make_controller
+from engine.sampling import SamplingParams
+from helpers import OracleDrafter
+
+PROMPTS = [
+    "What is 2+2?",
+    "Write a haiku about the sea.",
+    "Explain recursion in one paragraph.",
+    "List three uses of a paperclip.",
+    "Translate 'good morning' into French and Spanish.",
+    "Write a Python function that reverses a string.",
+    "What is the capital of Australia?",
+    "Give me a short motivational quote.",
+    "How do plants make food?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "What are the primary colors?",
+    "Write a SQL query that counts rows in a table named users.",
+    "Why do cats purr?",
+    "Name four planets of the solar system.",
+    "Describe a rainy afternoon in a small town.",
+    "If a train travels 60 km in one hour, how far does it go in 3 hours?",
+    "Write a limerick about a programmer.",
+    "What does HTTP stand for?",
+    "Give two tips for better sleep.",
+    "Convert 100 degrees Fahrenheit to Celsius.",
+]
+MAX_TOKENS = 32
+RANDOM_TOKENS = 16  # the random drafter is rejected at almost every step: 16 steps cover that path
+MODES = [("chain", 16), ("tree", 8), ("tree", 32), ("tree", 128)]
+
+
+@pytest.fixture(scope="module")
+def references(target_f32):
+    """Per prompt: (prompt ids, engine AR output ids)."""
+    ar = Engine(target_f32)
+    out = []
+    for p in PROMPTS:
+        ids = ar.chat_prompt_ids([{"role": "user", "content": p}])
+        out.append((ids, ar.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids))
+    return out
+
+
+def test_engine_ar_equals_transformers_generate(target_f32, references):
+    eos = target_f32.eos_token_ids
+    for ids, ref in references:
+        hf = target_f32.model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        hf = hf[0, len(ids):].tolist()
+        if hf and hf[-1] in eos:
+            hf = hf[:-1]
+        assert ref == hf
+
+
+def test_random_drafter_modes_equal_ar(target_f32, random_drafter, references):
+    for mode, budget in MODES:
+        eng = Engine(target_f32, random_drafter, make_controller(mode, budget))
+        for ids, ref in references:
+            r = eng.generate(ids, SamplingParams(max_tokens=RANDOM_TOKENS))
+            assert r.token_ids == ref[:RANDOM_TOKENS], (mode, budget)
+            assert all(s.tree_size <= (16 if mode == "chain" else budget) for s in r.steps)
+
+
+@pytest.mark.parametrize("decoy", [0, 3])
+def test_oracle_drafter_modes_equal_ar_with_long_accepts(target_f32, references, decoy):
+    vocab = target_f32.config.vocab_size
+    for mode, budget in MODES:
+        taus = []
+        for ids, ref in references:
+            d = OracleDrafter(ids + ref + [0] * 16, vocab, decoy_every=decoy)
+            eng = Engine(target_f32, d, make_controller(mode, budget))
+            r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+            assert r.token_ids == ref, (mode, budget, decoy)
+            taus.append(r.tau)
+        if not (mode == "chain" and decoy) and budget >= 16:
+            # The true path is in the tree: most steps accept a long path (decoys cost some depth).
+            assert sum(taus) / len(taus) > (5 if decoy else 8), (mode, budget, decoy, taus)
