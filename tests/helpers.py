@@ -63,7 +63,7 @@ class SpaceTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def tiny_target(vocab: int = 8, seed: int = 0, layers: int = 2, hidden: int = 32):
+def tiny_target(vocab: int = 8, seed: int = 0, layers: int = 2, hidden: int = 32, sharpen: float = 40.0):
     """A tiny random Llama target (float32) wrapped as engine.loader.Target, with no EOS."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,6 +76,32 @@ def tiny_target(vocab: int = 8, seed: int = 0, layers: int = 2, hidden: int = 32
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     # Sharper logits than the default init so the distribution is far from uniform.
     with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
+        model.lm_head.weight.mul_(sharpen)
     model.generation_config.eos_token_id = None
     return Target(model=model, tokenizer=SpaceTokenizer(), name="tiny", dtype=torch.float32)
+
+
+class ShuffledMarginalsDrafter(Drafter):
+    """Marginals over the whole (small) vocabulary in a random order with Zipf-like scores.
+
+    Gives wide trees that contain many of the target's likely tokens, so both acceptance
+    and bonus paths occur often; costs no model forward.
+    """
+
+    def __init__(self, vocab: int, max_depth: int = 6, seed: int = 0):
+        self.vocab = vocab
+        self.max_depth = max_depth
+        self.gen = torch.Generator().manual_seed(seed)
+        w = torch.tensor([1.0 / (r + 1) for r in range(vocab)])
+        self.logprobs = torch.log(w / w.sum())
+
+    def new_state(self):
+        return None
+
+    def extend(self, state, token_ids, features):
+        pass
+
+    def propose(self, state, root, max_depth):
+        d = min(max_depth, self.max_depth)
+        ids = torch.stack([torch.randperm(self.vocab, generator=self.gen) for _ in range(d)])
+        return Marginals(token_ids=ids, logprobs=self.logprobs.expand(d, -1).clone())
