@@ -1,0 +1,498 @@
+"""Tree attention backends for verification, plugged into transformers through AttentionInterface.
+
+A verification forward attends from n tree nodes over the c cached prefix tokens and the
+n nodes themselves: row i sees the whole prefix, node i and its ancestors (SPEC section 4).
+The engine hands the tree to the attention function as a `TreeAttention` object in the
+model call's keyword `bastion_tree` (transformers forwards unknown keywords of
+`model(...)` down to the attention function); no model code is edited.
+
+Backends (public names; each is registered under an internal name, see `impl_name`):
+    sdpa        torch scaled_dot_product_attention with a boolean mask built on the device
+    flex        torch FlexAttention with a BlockMask built from the tree (the prefix blocks
+                are full, the tree blocks evaluate the ancestor relation); compiled on CUDA,
+                eager (an unfused reference) on CPU unless BASTION_FLEX_COMPILE=1
+    flash_attn  flash-attn over the prefix (no mask, returns the log-sum-exp) plus a small
+                masked attention over the tree keys, merged exactly by log-sum-exp; only
+                when the flash-attn package is importable and the device is CUDA
+
+Without a `TreeAttention` (prefill, the one-token AR step) every backend runs plain causal
+SDPA, with a lower-right causal mask when s new tokens follow a non-empty cache.
+
+Usage:
+    backend = select_backend("auto", device, config=model.config, dtype=model.dtype)
+    install(model, backend)
+    model(input_ids=..., cache=..., position_ids=..., **tree_kwargs(tree, prefix_len, device))
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+#: Model-call keyword that carries the TreeAttention of one verification forward.
+TREE_KWARG = "bastion_tree"
+#: Public backend names, in order of preference when timings tie.
+BACKENDS = ("sdpa", "flex", "flash_attn")
+#: FlexAttention's default block size (tokens per block in the BlockMask).
+FLEX_BLOCK = 128
+
+
+#: Internal AttentionInterface names. None may contain "flash": transformers would then look for
+#: its own flash-attention kernels when the implementation is set.
+_IMPL = {"sdpa": "bastion_sdpa", "flex": "bastion_flex", "flash_attn": "bastion_lse_split"}
+
+
+def impl_name(backend: str) -> str:
+    """Internal AttentionInterface name of a public backend name ('flex' -> 'bastion_flex')."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend '{backend}' (choose from {', '.join(BACKENDS)} or auto)")
+    return _IMPL[backend]
+
+
+# ---- the tree structure, on the device ------------------------------------------------------
+
+def ancestor_matrix_device(parents: torch.Tensor, max_depth: int, device: torch.device | str) -> torch.Tensor:
+    """[n, n] bool on `device`: (i, j) True when node j is node i or one of its ancestors.
+
+    parents: [n] int64 (parents[0] = -1, a parent precedes its children); max_depth: the
+    tree's depth (known on the host, so no device sync). Built with max_depth + 1 scatters.
+    """
+    par = parents.to(device, non_blocking=True)
+    n = par.shape[0]
+    idx = torch.arange(n, device=device)
+    anc = torch.zeros((n, n), dtype=torch.bool, device=device)
+    cur = idx
+    for _ in range(max_depth + 1):
+        anc.scatter_(1, cur[:, None], True)
+        nxt = par[cur]
+        # Past the root: point at the row itself (already True) instead of branching.
+        cur = torch.where(nxt >= 0, nxt, idx)
+    return anc
+
+
+@dataclass
+class TreeAttention:
+    """The tree of one verification forward, as the attention backends need it.
+
+    prefix_len: c cached tokens before the tree; ancestors: [n, n] bool on the device.
+    Derived masks are built once on first use and shared by all layers of the forward.
+    """
+
+    prefix_len: int
+    ancestors: torch.Tensor
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return int(self.ancestors.shape[0])
+
+    @classmethod
+    def from_parents(cls, parents: torch.Tensor, prefix_len: int, device: torch.device | str,
+                     max_depth: int | None = None) -> "TreeAttention":
+        """From host parents [n] (max_depth defaults to n - 1, a safe upper bound)."""
+        depth = parents.shape[0] - 1 if max_depth is None else max_depth
+        return cls(prefix_len, ancestor_matrix_device(parents, depth, device))
+
+    @classmethod
+    def from_tree(cls, tree, prefix_len: int, device: torch.device | str) -> "TreeAttention":
+        """From an engine.tree.Tree (host tensors) verified over prefix_len cached tokens."""
+        return cls.from_parents(tree.parents, prefix_len, device, int(tree.depths.max()) if tree.size else 0)
+
+    def visible(self) -> torch.Tensor:
+        """[1, 1, n, c + n] bool: True where row i may attend."""
+        if "visible" not in self._memo:
+            n, c = self.n, self.prefix_len
+            vis = torch.ones((n, c + n), dtype=torch.bool, device=self.ancestors.device)
+            vis[:, c:] = self.ancestors
+            self._memo["visible"] = vis[None, None]
+        return self._memo["visible"]
+
+    def block_mask(self, block_size: int = FLEX_BLOCK):
+        """FlexAttention BlockMask equal to `visible()` (built on the device, no host sync)."""
+        key = ("block_mask", block_size)
+        if key not in self._memo:
+            self._memo[key] = tree_block_mask(self.ancestors, self.prefix_len, block_size)
+        return self._memo[key]
+
+
+def tree_kwargs(tree, prefix_len: int, device: torch.device | str) -> dict:
+    """Keyword arguments for the target's forward over `tree`: {TREE_KWARG: TreeAttention}."""
+    return {TREE_KWARG: TreeAttention.from_tree(tree, prefix_len, device)}
+
+
+def tree_block_mask(anc: torch.Tensor, prefix_len: int, block_size: int = FLEX_BLOCK):
+    """BlockMask [1, 1, n, c + n] for rows seeing the prefix, themselves and their ancestors.
+
+    Key blocks that lie wholly in the prefix are full (no mask_mod call in the kernel);
+    blocks touching the tree are classified from the ancestor matrix into full, partial
+    (mask_mod evaluated) or empty (skipped). Built from the block lists directly instead of
+    evaluating mask_mod over the whole n x (c + n) grid.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    dev = anc.device
+    n, c, B = anc.shape[0], prefix_len, block_size
+    L = c + n
+    nqb, nkb = -(-n // B), -(-L // B)
+    first = c // B  # key blocks [0, first) are prefix only
+    ntail = nkb - first
+    off = c - first * B  # prefix columns inside the first tail block
+    vis = torch.zeros((nqb * B, ntail * B), dtype=torch.bool, device=dev)
+    vis[:n, :off] = True
+    vis[:n, off:off + n] = anc
+    care = torch.zeros_like(vis)  # in range on both axes
+    care[:n, : L - first * B] = True
+    vis_b = vis.view(nqb, B, ntail, B)
+    any_vis = vis_b.any(dim=3).any(dim=1)
+    # A block is full when every in-range query row sees every key column and no key is out of range.
+    cols_ok = care[0].view(ntail, B).all(dim=1)
+    full_t = (vis_b | ~care.view(nqb, B, ntail, B)).all(dim=3).all(dim=1) & cols_ok[None, :]
+    partial_t = any_vis & ~full_t
+    full = torch.cat([torch.ones((nqb, first), dtype=torch.bool, device=dev), full_t], dim=1)
+    partial = torch.cat([torch.zeros((nqb, first), dtype=torch.bool, device=dev), partial_t], dim=1)
+
+    def lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = sel.sum(dim=1, dtype=torch.int32)
+        order = torch.argsort(sel.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
+        return num[None, None], order[None, None]
+
+    kv_num, kv_idx = lists(partial)
+    full_num, full_idx = lists(full)
+    c_t = torch.tensor(c, device=dev)  # a captured tensor, not a Python int: no recompile per c
+    last = n - 1
+
+    def mask_mod(b, h, q_idx, kv_idx_):
+        t = kv_idx_ - c_t
+        inside = anc[q_idx.clamp(max=last), t.clamp(min=0, max=last)]
+        return (t < 0) | (inside & (t <= last))
+
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                    seq_lengths=(n, L), compute_q_blocks=False)
+
+
+# ---- exact attention pieces (pure functions) -------------------------------------------------
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, in float32, GQA by head grouping.
+
+    q [b, hq, n, d]; k, v [b, hkv, m, d] (hq a multiple of hkv); mask: bool broadcastable to
+    [n, m] (True = visible) or None. Returns out [b, hq, n, d] (q's dtype) and lse [b, hq, n]
+    float32 (-inf for a row that sees nothing, whose out is 0).
+    """
+    b, hq, n, d = q.shape
+    hkv, m = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qf = q.float().view(b, hkv, g, n, d)
+    scores = torch.matmul(qf, k.float()[:, :, None].transpose(-1, -2)) * scale  # [b, hkv, g, n, m]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    out = torch.matmul(p, v.float()[:, :, None])
+    return out.view(b, hq, n, d).to(q.dtype), lse.view(b, hq, n)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention over the union of two disjoint key sets from the parts.
+
+    out_*: [b, h, n, d] attention over each key set; lse_*: [b, h, n] their log-sum-exps
+    (-inf for an empty set). Returns the union's (out [b, h, n, d] in out_a's dtype, lse).
+    At least one of the two sets must be non-empty for every row.
+    """
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    wa = torch.exp(lse_a.float() - lse)[..., None]
+    wb = torch.exp(lse_b.float() - lse)[..., None]
+    out = out_a.float() * wa + out_b.float() * wb
+    return out.to(out_a.dtype), lse
+
+
+PrefixFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def torch_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Pure-torch stand-in for flash-attn over the prefix (no mask): (out, lse), see `attention_lse`."""
+    return attention_lse(q, k, v, scale)
+
+
+def split_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: TreeAttention, scale: float,
+                         prefix_fn: PrefixFn = torch_prefix_attention) -> torch.Tensor:
+    """Tree attention as prefix part + tree part merged by log-sum-exp.
+
+    q [b, hq, n, d]; k, v [b, hkv, c + n, d] (the cache already holds the tree's keys).
+    prefix_fn(q, k_prefix, v_prefix, scale) -> (out, lse) attends without a mask.
+    Returns [b, hq, n, d].
+    """
+    c = tree.prefix_len
+    out_t, lse_t = attention_lse(q, k[:, :, c:], v[:, :, c:], scale, tree.ancestors)
+    if c == 0:
+        return out_t
+    out_p, lse_p = prefix_fn(q, k[:, :, :c], v[:, :, :c], scale)
+    out, _ = merge_attention(out_p, lse_p, out_t, lse_t)
+    return out
+
+
+# ---- flash-attn ---------------------------------------------------------------------------------
+
+def _flash_module():
+    """The importable flash-attn entry point: FA3 (flash_attn_interface) first, then FA2; None if neither."""
+    for name in ("flash_attn_interface", "flash_attn"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # ImportError, or a CUDA build mismatch raising at import
+            continue
+        if hasattr(mod, "flash_attn_func"):
+            return mod
+    return None
+
+
+def flash_available(device: torch.device | str) -> bool:
+    """flash-attn is importable and the device is CUDA."""
+    return torch.device(device).type == "cuda" and _flash_module() is not None
+
+
+def flash_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """flash-attn over the prefix (every node sees all of it): (out [b, hq, n, d], lse [b, hq, n])."""
+    mod = _flash_module()
+    if mod is None:
+        raise RuntimeError("flash-attn is not installed")
+    res = mod.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                              causal=False, return_attn_probs=True)
+    out, lse = res[0], res[1]
+    return out.transpose(1, 2), lse.float()
+
+
+# ---- the attention functions registered with transformers --------------------------------------
+
+def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Plain attention without a tree: transformers' SDPA, with an explicit lower-right causal mask
+    when s > 1 new tokens follow cached ones (transformers would crop the keys instead)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    s, m = query.shape[2], key.shape[2]
+    if attention_mask is None and s > 1 and m > s:
+        attention_mask = torch.ones((s, m), dtype=torch.bool, device=query.device).tril(diagonal=m - s)[None, None]
+    kwargs.pop(TREE_KWARG, None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Backend 'sdpa': SDPA with the tree's boolean mask. Returns ([b, n, hq, d], None)."""
+    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
+    if tree is not None:
+        attention_mask = tree.visible()
+    return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+_FLEX_FNS: dict[tuple[bool, bool], Callable] = {}
+
+
+def flex_compiled(device: torch.device | str) -> bool:
+    """Whether flex runs compiled on `device`: CUDA yes, CPU no; BASTION_FLEX_COMPILE=0/1 overrides."""
+    env = os.environ.get("BASTION_FLEX_COMPILE")
+    if env in ("0", "1"):
+        return env == "1"
+    return torch.device(device).type == "cuda"
+
+
+def _flex_fn(compiled: bool, cuda: bool) -> Callable:
+    """flex_attention, eager or compiled. Compiled with dynamic shapes on CUDA (n and c change every
+    step); static on CPU, where torch 2.13's C++ flex template fails to build with dynamic shapes
+    (each new (n, c) then recompiles, so compiled flex on CPU is for tests only)."""
+    key = (compiled, cuda)
+    if key not in _FLEX_FNS:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX_FNS[key] = torch.compile(flex_attention, dynamic=cuda) if compiled else flex_attention
+    return _FLEX_FNS[key]
+
+
+def flex_attention_tree(query, key, value, tree: TreeAttention, scale: float | None,
+                        compiled: bool | None = None) -> torch.Tensor:
+    """FlexAttention over the tree's BlockMask: q [b, hq, n, d], k/v [b, hkv, c+n, d] -> [b, hq, n, d]."""
+    compiled = flex_compiled(query.device) if compiled is None else compiled
+    fn = _flex_fn(compiled, query.device.type == "cuda")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return fn(query, key, value, block_mask=tree.block_mask(), scale=scale,
+                  enable_gqa=query.shape[1] != key.shape[1])
+
+
+def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Backend 'flex': FlexAttention with the tree's BlockMask. Returns ([b, n, hq, d], None)."""
+    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
+    if tree is None:
+        return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    out = flex_attention_tree(query, key, value, tree, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def flash_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Backend 'flash_attn': flash-attn prefix + masked tree part, merged by LSE. Returns ([b, n, hq, d], None)."""
+    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
+    if tree is None:
+        return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = split_tree_attention(query, key, value, tree, scale, flash_prefix_attention)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_FUNCTIONS = {"sdpa": sdpa_tree_attention, "flex": flex_tree_attention, "flash_attn": flash_tree_attention}
+
+
+def register_backends() -> None:
+    """Register every backend with transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    for name, fn in _FUNCTIONS.items():
+        AttentionInterface.register(impl_name(name), fn)
+
+
+def install(model, backend: str) -> str:
+    """Make `model` (a transformers model) attend through `backend`; returns the internal name.
+
+    Raises ValueError for an unknown backend or flash_attn without the package on CUDA.
+    """
+    impl = impl_name(backend)
+    if backend == "flash_attn" and not flash_available(model.device):
+        raise ValueError("attention backend flash_attn needs the flash-attn package and a CUDA device")
+    register_backends()
+    model.set_attn_implementation(impl)
+    return impl
+
+
+def installed_backend(model) -> str | None:
+    """The public backend name `model` attends through, or None when it is not one of ours."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    return next((name for name, i in _IMPL.items() if i == impl), None)
+
+
+# ---- selection ----------------------------------------------------------------------------------
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on `device`: sdpa and flex everywhere, flash_attn on CUDA when installed."""
+    out = ["sdpa", "flex"]
+    if flash_available(device):
+        out.append("flash_attn")
+    return out
+
+
+def random_tree_parents(n: int, max_depth: int = 15, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[n] int64 parents of a random prefix-closed tree (node 0 the root, depth <= max_depth)."""
+    par = [-1]
+    depth = [0]
+    for i in range(1, n):
+        while True:
+            p = int(torch.randint(0, i, (1,), generator=generator))
+            if depth[p] < max_depth:
+                break
+        par.append(p)
+        depth.append(depth[p] + 1)
+    return torch.tensor(par, dtype=torch.long)
+
+
+def _module_stub(n_q: int, n_kv: int) -> SimpleNamespace:
+    return SimpleNamespace(num_key_value_groups=n_q // n_kv, is_causal=True, training=False)
+
+
+def benchmark_backends(device: torch.device | str, dtype: torch.dtype = torch.float32, *, n_q: int = 32, n_kv: int = 8,
+                       head_dim: int = 128, points: tuple[tuple[int, int], ...] | None = None, repeats: int = 3,
+                       backends: list[str] | None = None, atol: float | None = None) -> dict[str, float | None]:
+    """Seconds per attention call (summed over `points` of (n tree nodes, c prefix)) per backend.
+
+    Each backend's output is first compared with sdpa's; one that disagrees beyond atol
+    (default 2e-2 in 16-bit, 1e-4 in float32) or fails gets None. Default points: (32, 256)
+    on CPU, (64, 1024) and (256, 2048) elsewhere.
+    """
+    device = torch.device(device)
+    points = points or (((32, 256),) if device.type == "cpu" else ((64, 1024), (256, 2048)))
+    backends = backends or available_backends(device)
+    atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+    gen = torch.Generator().manual_seed(0)
+    stub = _module_stub(n_q, n_kv)
+    cases = []
+    for n, c in points:
+        q = torch.randn(1, n_q, n, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(1, n_kv, c + n, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(1, n_kv, c + n, head_dim, generator=gen).to(device, dtype)
+        cases.append((q, k, v, random_tree_parents(n, generator=gen), c))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run(name: str, case) -> torch.Tensor:
+        q, k, v, par, c = case
+        tree = TreeAttention.from_parents(par, c, device, 15)
+        return _FUNCTIONS[name](stub, q, k, v, None, scaling=head_dim ** -0.5, **{TREE_KWARG: tree})[0]
+
+    refs = [run("sdpa", case) for case in cases]
+    out: dict[str, float | None] = {}
+    for name in backends:
+        try:
+            for case, ref in zip(cases, refs):
+                got = run(name, case)  # also the warm-up (compilation for flex on CUDA)
+                if not torch.allclose(got.float(), ref.float(), atol=atol, rtol=0):
+                    raise ValueError("disagrees with sdpa")
+            total = 0.0
+            for case in cases:
+                times = []
+                for _ in range(repeats):
+                    sync()
+                    t0 = time.perf_counter()
+                    run(name, case)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                total += min(times)
+            out[name] = total
+        except Exception:  # a backend that cannot run here is simply not selected
+            out[name] = None
+    return out
+
+
+_SELECTED: dict[tuple, str] = {}
+
+
+def select_backend(name: str = "auto", device: torch.device | str = "cpu", *, config=None,
+                   dtype: torch.dtype = torch.float32) -> str:
+    """The backend to verify with: `name` itself (checked), or for 'auto' the fastest measured one.
+
+    config: the target's HF config (its head counts and head_dim shape the measurement).
+    The choice for 'auto' is remembered per (device, dtype, shape) for the process.
+    Raises ValueError for an unknown name or one not available on the device.
+    """
+    device = torch.device(device)
+    if name != "auto":
+        impl_name(name)
+        if name not in available_backends(device):
+            raise ValueError(f"attention backend '{name}' is not available on {device} "
+                             f"(available: {', '.join(available_backends(device))})")
+        return name
+    n_q = int(getattr(config, "num_attention_heads", 32))
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_q)
+    hd = int(getattr(config, "head_dim", None) or getattr(config, "hidden_size", 128 * n_q) // n_q)
+    key = (str(device), str(dtype), n_q, n_kv, hd)
+    if key not in _SELECTED:
+        times = benchmark_backends(device, dtype, n_q=n_q, n_kv=n_kv, head_dim=hd)
+        ok = {k: v for k, v in times.items() if v is not None}
+        _SELECTED[key] = min(ok, key=lambda k: (ok[k], BACKENDS.index(k))) if ok else "sdpa"
+    return _SELECTED[key]
+
+
+def reference_tree_attention(q, k, v, tree: TreeAttention, scale: float) -> torch.Tensor:
+    """Float64 reference (dense mask, repeated KV heads): [b, hq, n, d] in q's dtype (for tests)."""
+    g = q.shape[1] // k.shape[1]
+    kr = k.double().repeat_interleave(g, dim=1)
+    vr = v.double().repeat_interleave(g, dim=1)
+    scores = torch.matmul(q.double(), kr.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~tree.visible(), -math.inf)
+    return torch.matmul(torch.softmax(scores, dim=-1), vr).to(q.dtype)

@@ -1,0 +1,290 @@
+"""Tree attention backends (engine.attention): every backend agrees with sdpa over random trees,
+prefix lengths 0..2048 and GQA shapes of Qwen3-8B / Llama-3.1-8B scaled down; the log-sum-exp merge
+behind flash_attn is exact; the backends plug into transformers models without model-code edits."""
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import engine.attention as attn
+from engine.attention import (
+    TREE_KWARG,
+    TreeAttention,
+    ancestor_matrix_device,
+    attention_lse,
+    available_backends,
+    install,
+    installed_backend,
+    merge_attention,
+    random_tree_parents,
+    reference_tree_attention,
+    select_backend,
+    split_tree_attention,
+    torch_prefix_attention,
+    tree_kwargs,
+)
+from engine.tree import Tree, ancestor_matrix, tree_attention_mask
+from engine.verifier import target_forward
+
+# (n_q, n_kv, head_dim): Qwen3-8B and Llama-3.1-8B are both 32 q / 8 kv heads of 128; scaled head dims.
+SHAPES = {"qwen3-8b/8": (32, 8, 16), "llama3.1-8b/2": (32, 8, 64)}
+# (tree nodes n, prefix c) per shape: together they cover prefixes 0..2048, block edges and n > one block.
+CASES = {"qwen3-8b/8": ((1, 0), (64, 127), (33, 2048)), "llama3.1-8b/2": ((9, 1), (130, 300), (20, 2048))}
+
+
+def _case(n: int, c: int, shape, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    n_q, n_kv, d = shape
+    q = torch.randn(1, n_q, n, d, generator=g).to(dtype)
+    k = torch.randn(1, n_kv, c + n, d, generator=g).to(dtype)
+    v = torch.randn(1, n_kv, c + n, d, generator=g).to(dtype)
+    tree = TreeAttention.from_parents(random_tree_parents(n, generator=g), c, "cpu")
+    return q, k, v, tree
+
+
+def _run(backend: str, q, k, v, tree, scale):
+    stub = attn._module_stub(q.shape[1], k.shape[1])
+    out, _ = attn._FUNCTIONS[backend](stub, q, k, v, None, scaling=scale, **{TREE_KWARG: tree})
+    return out.transpose(1, 2)  # back to [b, hq, n, d]
+
+
+def test_ancestor_matrix_on_device_equals_host_version():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 17, 64, 200):
+        par = random_tree_parents(n, generator=g)
+        depth_bound = n - 1
+        assert (ancestor_matrix_device(par, depth_bound, "cpu").numpy() == ancestor_matrix(par)).all()
+    chain = torch.arange(16) - 1
+    assert ancestor_matrix_device(chain, 15, "cpu").equal(torch.ones(16, 16, dtype=torch.bool).tril())
+
+
+def test_tree_visibility_equals_the_engine_mask():
+    g = torch.Generator().manual_seed(1)
+    par = random_tree_parents(40, generator=g)
+    depths = torch.zeros(40, dtype=torch.long)
+    for i in range(1, 40):
+        depths[i] = depths[par[i]] + 1
+    tree = Tree(tokens=torch.zeros(40, dtype=torch.long), parents=par, depths=depths, a_hat=1.0,
+                log_scores=torch.zeros(40))
+    ta = tree_kwargs(tree, 33, "cpu")[TREE_KWARG]
+    additive = tree_attention_mask(tree, 33, torch.float32)
+    assert ta.visible().equal(additive == 0)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_backends_agree_with_sdpa_over_random_trees_and_prefixes(name):
+    shape = SHAPES[name]
+    scale = shape[2] ** -0.5
+    for i, (n, c) in enumerate(CASES[name]):
+        q, k, v, tree = _case(n, c, shape, seed=10 * i + shape[2])
+        ref = reference_tree_attention(q, k, v, tree, scale)
+        sdpa = _run("sdpa", q, k, v, tree, scale)
+        assert torch.allclose(sdpa, ref, atol=1e-5), ("sdpa", n, c)
+        for backend in ("flex", "flash_attn"):
+            if backend == "flash_attn":
+                # The flash_attn backend on CPU: the same code with the pure-torch prefix stand-in.
+                got = split_tree_attention(q, k, v, tree, scale, torch_prefix_attention)
+            else:
+                got = _run(backend, q, k, v, tree, scale)
+            assert torch.allclose(got, sdpa, atol=1e-5), (backend, n, c, (got - sdpa).abs().max())
+
+
+def test_flex_agrees_in_bfloat16():
+    q, k, v, tree = _case(48, 700, (32, 8, 64), seed=3, dtype=torch.bfloat16)
+    sdpa = _run("sdpa", q, k, v, tree, 0.125)
+    flex = _run("flex", q, k, v, tree, 0.125)
+    ref = reference_tree_attention(q, k, v, tree, 0.125)
+    assert (flex.float() - ref.float()).abs().max() < 2e-2
+    assert (flex.float() - sdpa.float()).abs().max() < 2e-2
+
+
+def test_block_mask_skips_invisible_blocks_and_marks_prefix_blocks_full():
+    # A 300-node chain of depth 1 (all children of the root) over 256 prefix tokens, blocks of 128.
+    par = torch.zeros(300, dtype=torch.long)
+    par[0] = -1
+    tree = TreeAttention.from_parents(par, 256, "cpu", max_depth=1)
+    bm = tree.block_mask(128)
+    full = bm.full_kv_num_blocks.flatten().tolist()
+    partial = bm.kv_num_blocks.flatten().tolist()
+    # Two prefix blocks are full for every q block; each q block only touches the root's block
+    # and its own diagonal block of the tree part, never the others.
+    assert full == [2, 2, 2]
+    assert partial == [1, 2, 2]
+
+
+def test_merge_is_exact_for_any_split_of_the_keys():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 7, 32, generator=g)
+    k = torch.randn(1, 2, 50, 32, generator=g)
+    v = torch.randn(1, 2, 50, 32, generator=g)
+    full_out, full_lse = attention_lse(q, k, v, 0.2)
+    for cut in (1, 13, 49):
+        a = attention_lse(q, k[:, :, :cut], v[:, :, :cut], 0.2)
+        b = attention_lse(q, k[:, :, cut:], v[:, :, cut:], 0.2)
+        out, lse = merge_attention(*a, *b)
+        assert torch.allclose(out, full_out, atol=1e-6)
+        assert torch.allclose(lse, full_lse, atol=1e-5)
+    # An empty part (lse = -inf) contributes nothing.
+    empty_out, empty_lse = torch.zeros_like(full_out), torch.full_like(full_lse, float("-inf"))
+    out, lse = merge_attention(empty_out, empty_lse, full_out, full_lse)
+    assert torch.allclose(out, full_out) and torch.allclose(lse, full_lse)
+
+
+def test_split_attention_with_flash_layout_stand_in_matches_full_sdpa():
+    """The flash_attn backend's decomposition: a prefix part with its LSE (as flash-attn returns it,
+    bf16 output and float32 LSE) and the masked tree part, merged, against one full SDPA call."""
+    q, k, v, tree = _case(40, 512, (32, 8, 64), seed=7)
+
+    def flash_like(q_, k_, v_, scale):
+        out, lse = torch_prefix_attention(q_, k_, v_, scale)
+        return out.to(torch.bfloat16).to(q_.dtype), lse
+
+    got = split_tree_attention(q, k, v, tree, 0.125, flash_like)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=tree.visible(), scale=0.125,
+                                                            enable_gqa=True)
+    assert (got - full).abs().max() < 1e-2
+    exact = split_tree_attention(q, k, v, tree, 0.125)
+    assert torch.allclose(exact, full, atol=1e-5)
+
+
+# ---- inside transformers models --------------------------------------------------------------------
+
+def _tiny(kind: str):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    return model.eval().requires_grad_(False)
+
+
+def _random_tree(n: int, seed: int) -> Tree:
+    g = torch.Generator().manual_seed(seed)
+    par = random_tree_parents(n, generator=g)
+    depths = torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        depths[i] = depths[par[i]] + 1
+    return Tree(tokens=torch.randint(0, 64, (n,), generator=g), parents=par, depths=depths, a_hat=1.0,
+                log_scores=torch.zeros(n))
+
+
+def _forward(model, ids, cache, **kwargs):
+    """target_forward plus extra model keywords (what the proposed verifier hook passes)."""
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return model(input_ids=ids, use_cache=True, **{key: cache}, **kwargs)
+
+
+def _verify_logits(model, prompt, tree: Tree, use_kwargs: bool):
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        target_forward(model, prompt, cache)
+        c = prompt.shape[1]
+        extra = tree_kwargs(tree, c, "cpu") if use_kwargs else {}
+        mask = None if use_kwargs else tree_attention_mask(tree, c, model.dtype)
+        out = _forward(model, tree.tokens[None], cache, position_ids=tree.position_ids(c), attention_mask=mask,
+                       **extra)
+    return out.logits[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_backends_inside_the_model_equal_the_additive_mask_path(kind, monkeypatch):
+    model = _tiny(kind)
+    prompt = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(2))
+    tree = _random_tree(24, seed=4)
+    model.set_attn_implementation("sdpa")
+    ref = _verify_logits(model, prompt, tree, use_kwargs=False)
+    # flash_attn needs CUDA and the package: on CPU its prefix part is the pure-torch stand-in.
+    monkeypatch.setattr(attn, "flash_prefix_attention", torch_prefix_attention)
+    monkeypatch.setattr(attn, "flash_available", lambda device: True)
+    for backend in ("sdpa", "flex", "flash_attn"):
+        install(model, backend)
+        assert installed_backend(model) == backend
+        got = _verify_logits(model, prompt, tree, use_kwargs=True)
+        assert torch.allclose(got, ref, atol=1e-4), (backend, (got - ref).abs().max())
+        # A 4D mask given by today's verifier still works through our backends.
+        got_mask = _verify_logits(model, prompt, tree, use_kwargs=False)
+        assert torch.allclose(got_mask, ref, atol=1e-4), backend
+    model.set_attn_implementation("sdpa")
+
+
+def test_without_a_tree_backends_run_causal_attention_over_a_cache():
+    """Prefill, the AR step and s > 1 plain tokens after a cache (lower-right causal) through a backend."""
+    model = _tiny("qwen3")
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        full = model(input_ids=ids).logits[0]
+        for backend in ("sdpa", "flex"):
+            install(model, backend)
+            cache = DynamicCache(config=model.config)
+            a = target_forward(model, ids[:, :20], cache).logits[0]
+            b = target_forward(model, ids[:, 20:29], cache).logits[0]
+            c = target_forward(model, ids[:, 29:], cache).logits[0]
+            got = torch.cat([a, b, c])
+            assert torch.allclose(got, full, atol=1e-4), backend
+    model.set_attn_implementation("sdpa")
+
+
+def test_select_backend_names_and_auto():
+    assert select_backend("sdpa", "cpu") == "sdpa"
+    assert select_backend("flex", "cpu") == "flex"
+    assert "flash_attn" not in available_backends("cpu")
+    with pytest.raises(ValueError, match="not available"):
+        select_backend("flash_attn", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("xformers", "cpu")
+    cfg = Qwen3Config(num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=128)
+    times = attn.benchmark_backends("cpu", n_q=8, n_kv=2, head_dim=16, points=((16, 64),), repeats=1)
+    assert set(times) == {"sdpa", "flex"} and all(t is not None and t > 0 for t in times.values())
+    assert select_backend("auto", "cpu", config=cfg) in ("sdpa", "flex")
+
+
+@pytest.mark.skipif(os.environ.get("BASTION_TEST_COMPILE") != "1",
+                    reason="compiling flex on CPU takes about 40 s; set BASTION_TEST_COMPILE=1")
+def test_compiled_flex_on_cpu_agrees_with_sdpa():
+    q, k, v, tree = _case(40, 300, (8, 2, 16), seed=9)
+    got = attn.flex_attention_tree(q, k, v, tree, 0.25, compiled=True)
+    assert torch.allclose(got, reference_tree_attention(q, k, v, tree, 0.25), atol=1e-5)
+
+
+def hooked_verify(model, cache, tree, prefix_len, feature_layers):
+    """engine.verifier.verify with the proposed hook: our backends get the tree as a keyword."""
+    from engine.verifier import VerifyOutput, gather_features
+
+    dev = model.device
+    extra, mask = {}, None
+    if tree.size > 1:
+        if installed_backend(model) is not None:
+            extra = tree_kwargs(tree, prefix_len, dev)
+        else:
+            mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
+    with torch.inference_mode():
+        out = _forward(model, tree.tokens[None].to(dev), cache, position_ids=tree.position_ids(prefix_len).to(dev),
+                       attention_mask=mask, output_hidden_states=bool(feature_layers), **extra)
+    feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
+    return VerifyOutput(logits=out.logits[0], features=feats)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_engine_with_the_hook_and_a_backend_equals_ar(backend, monkeypatch):
+    """Deep accepted paths with decoys (compaction by gather) through each backend: tokens equal AR."""
+    import engine.engine as eng_mod
+    from engine.engine import Engine, make_controller
+    from engine.sampling import SamplingParams
+    from helpers import OracleDrafter, tiny_target
+
+    target = tiny_target(vocab=64, layers=2, hidden=64)
+    prompt = [3, 5, 7, 11, 13]
+    ref = Engine(target).generate(prompt, SamplingParams(max_tokens=40)).token_ids
+    monkeypatch.setattr(eng_mod, "verify", hooked_verify)
+    install(target.model, backend)
+    drafter = OracleDrafter(prompt + ref + [0] * 16, 64, decoy_every=3)
+    got = Engine(target, drafter, make_controller("tree", 16)).generate(prompt, SamplingParams(max_tokens=40))
+    assert got.token_ids == ref
+    assert got.tau > 3
