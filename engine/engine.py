@@ -182,8 +182,13 @@ class Engine:
 
     # ---- prompt handling -------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """Apply the target's chat template (generation prompt added) -> token ids."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        """Apply the target's chat template (generation prompt added) -> token ids.
+
+        Thinking is disabled (Qwen3 templates read `enable_thinking`; others ignore it):
+        the published Qwen3 DFlash drafters were trained without thinking traces.
+        """
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True, enable_thinking=False)
         return list(out["input_ids"])
 
     def max_context(self) -> int:
