@@ -75,6 +75,14 @@ class Drafter(ABC):
                   (concatenated in feature_layers order), or None when not needed.
         """
 
+    def finish(self, state: Any, final_tokens: list[int] | tuple[int, ...] = ()) -> Any:
+        """The request ended; final_tokens were committed but never entered the target cache.
+
+        Default: nothing to do. Drafters that learn across requests (a global suffix index)
+        record the output here.
+        """
+        return None
+
     @abstractmethod
     def propose(self, state: Any, root: int, max_depth: int) -> Proposal:
         """Propose continuations of `root` (committed, not yet in the target cache).

@@ -464,13 +464,17 @@ _SELECTED: dict[tuple, str] = {}
 
 def select_backend(name: str = "auto", device: torch.device | str = "cpu", *, config=None,
                    dtype: torch.dtype = torch.float32) -> str:
-    """The backend to verify with: `name` itself (checked), or for 'auto' the fastest measured one.
+    """The backend to verify with: `name` itself (checked), or for 'auto' the fastest measured one
+    (on a CPU 'auto' is sdpa without measuring: the issue's CPU default).
 
     config: the target's HF config (its head counts and head_dim shape the measurement).
     The choice for 'auto' is remembered per (device, dtype, shape) for the process.
     Raises ValueError for an unknown name or one not available on the device.
     """
     device = torch.device(device)
+    if name == "auto" and device.type == "cpu":
+        # On a CPU, flex runs an unfused reference (or recompiles per shape) and flash-attn is absent.
+        return "sdpa"
     if name != "auto":
         impl_name(name)
         if name not in available_backends(device):

@@ -289,6 +289,8 @@ class Engine:
         )
         seq.steps.append(stats)
         ctl.observe(stats, tree)
+        if finish is not None and drafter is not None:
+            drafter.finish(seq.drafter_state, committed)
         return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
 
     def stream(

@@ -48,12 +48,30 @@ def default_drafter_for(target: Target) -> str | None:
 
 
 def load_drafter(spec: str | None, target: Target) -> Drafter | None:
-    """Load a drafter by name for `target`: None/'none' -> no drafter; otherwise a DFlash checkpoint.
+    """Resolve a drafter spec for `target`.
 
-    Raises drafting.dflash.DrafterLoadError on a bad checkpoint.
+    None / 'none' -> no drafter; 'suffix' -> the training-free suffix drafter;
+    'dflash' -> the shipped DFlash drafter of the target; 'X+suffix' -> DFlash X merged
+    with the suffix drafter; anything else -> a DFlash checkpoint folder or hub id.
+    Raises drafting.dflash.DrafterLoadError on a bad checkpoint, ConfigError when
+    'dflash' is asked for a target that has no shipped drafter.
     """
     if spec is None or spec == "none":
         return None
+    if spec == "suffix":
+        from drafting.suffix import SuffixDrafter
+
+        return SuffixDrafter()
+    if spec.endswith("+suffix"):
+        from drafting.hybrid import HybridDrafter
+        from drafting.suffix import SuffixDrafter
+
+        return HybridDrafter(load_drafter(spec[: -len("+suffix")], target), SuffixDrafter())
+    if spec == "dflash":
+        shipped = default_drafter_for(target)
+        if shipped is None:
+            raise ConfigError(f"no DFlash drafter is shipped for target '{target.name}'; pass a checkpoint path")
+        spec = shipped
     from drafting.dflash import load_dflash
 
     return load_dflash(spec, target.model)
