@@ -13,7 +13,7 @@ from engine.factory import add_engine_arguments
 COMMANDS = {
     "generate": ("server.cli", "generate text for one prompt"),
     "serve": ("server.serve", "run the OpenAI-compatible HTTP server"),
-    "calibrate": ("controller.cli", "calibrate the verification latency model on this machine"),
+    "calibrate": ("engine.calibrate_cli", "calibrate the verification latency model on this machine"),
     "bench": ("bench.cli", "benchmark decoding modes side by side"),
     "train-drafter": ("drafting.train_cli", "train a DFlash drafter for a target"),
 }

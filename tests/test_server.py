@@ -18,11 +18,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from engine.engine import Engine
-
-try:  # the engine's per-step controller (fixed modes); older engines took a policy factory
-    from engine.engine import make_controller as fixed_mode
-except ImportError:  # pragma: no cover
-    from engine.engine import make_policy_factory as fixed_mode
+from engine.engine import make_controller as fixed_mode
 from engine.sampling import SamplingParams
 from server.app import ServerConfig, create_app
 
