@@ -52,6 +52,7 @@ class TrainConfig:
     min_lr_frac: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
+    autocast: bool = True  # bfloat16 autocast (measured 51 vs 32 blocks/s here, docs/drafter.md)
 
     def loss_gamma(self) -> float:
         return self.gamma or DEFAULT_GAMMA.get(self.block_size, self.block_size / 2)
@@ -92,14 +93,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def frequent_vocab(sequences, vocab_size: int, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """d2t: the `size` most frequent response token ids (plus `always`), sorted -> int64 [size]."""
+def token_counts(sequences, vocab_size: int, top_weight: int = 1, resp_weight: int = 8) -> torch.Tensor:
+    """Response-token counts (x resp_weight) plus the target's top-k candidates (x top_weight) -> int64 [V].
+
+    The top-k lists make the estimate far better than the responses alone on little data
+    (held-out coverage of an 8k vocabulary from 64 responses: 79 % -> 93 %).
+    """
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in sequences:
-        r = s["ids"][s["prompt_len"]:].long()
-        counts += torch.bincount(r, minlength=vocab_size)
-    for t in always:
-        counts[t] = counts.max() + 1
+        counts += resp_weight * torch.bincount(s["ids"][s["prompt_len"]:].long(), minlength=vocab_size)
+        if top_weight and "top_ids" in s:
+            counts += top_weight * torch.bincount(s["top_ids"].long().flatten(), minlength=vocab_size)
+    return counts
+
+
+def frequent_vocab(sequences, vocab_size: int, size: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """d2t: the `size` most frequent target ids (see `token_counts`), sorted -> int64 [size]."""
+    if counts is None:
+        counts = token_counts(sequences, vocab_size)
     order = torch.argsort(counts, descending=True, stable=True)[:size]
     return torch.sort(order).values
 
@@ -126,19 +137,24 @@ class DrafterTrainer(nn.Module):
             if p.dim() == 2:
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        V = tcfg.vocab_size
         emb = target_model.get_input_embeddings().weight.detach().float()
-        head = target_model.get_output_embeddings().weight.detach().float()
         self.register_buffer("embed_w", emb.clone(), persistent=False)
+        self._full_head = target_model.get_output_embeddings().weight.detach()
+        self.set_vocab(d2t)
+
+    def set_vocab(self, d2t: torch.Tensor | None) -> None:
+        """Select the output vocabulary (None: full). The drafter's weights do not depend on it,
+        so it can be re-chosen at any time as more data arrives."""
+        V = self._full_head.shape[0]
         if d2t is not None:
             self.model.d2t.copy_(d2t)
             t2d = torch.full((V,), -1, dtype=torch.long)
             t2d[d2t] = torch.arange(len(d2t))
-            self.register_buffer("head_w", head[d2t].clone(), persistent=False)
+            self.head_w = self._full_head[d2t].float()
         else:
             t2d = torch.arange(V)
-            self.register_buffer("head_w", head.clone(), persistent=False)
-        self.register_buffer("t2d", t2d, persistent=False)
+            self.head_w = self._full_head.float()
+        self.t2d = t2d
 
     @property
     def spec(self):

@@ -17,28 +17,33 @@ from pathlib import Path
 import torch
 
 from drafting.dflash import save_dflash
-from drafting.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter
+from drafting.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter, token_counts
 
 
 class ShardData:
     """All finished shards of a data folder in memory; `refresh()` picks up new shards."""
 
-    def __init__(self, folder: Path, min_response: int = 2):
+    def __init__(self, folder: Path, vocab_size: int = 0, min_response: int = 2):
         self.folder = Path(folder)
+        self.vocab_size = vocab_size
         self.min_response = min_response
         self.loaded: set[str] = set()
         self.seqs: list[dict] = []
         self.tokens = 0
+        self.counts = None  # token_counts over all loaded sequences
 
     def refresh(self) -> int:
         new = 0
         for p in sorted(self.folder.glob("shard_*.pt")):
             if p.name in self.loaded:
                 continue
-            for r in torch.load(p, weights_only=False):
-                if len(r["ids"]) - r["prompt_len"] >= self.min_response:
-                    self.seqs.append(r)
-                    self.tokens += len(r["ids"]) - r["prompt_len"]
+            recs = [r for r in torch.load(p, weights_only=False) if len(r["ids"]) - r["prompt_len"] >= self.min_response]
+            if recs and self.vocab_size:
+                c = token_counts(recs, self.vocab_size)
+                self.counts = c if self.counts is None else self.counts + c
+            for r in recs:
+                self.seqs.append(r)
+                self.tokens += len(r["ids"]) - r["prompt_len"]
             self.loaded.add(p.name)
             new += 1
         return new
@@ -110,7 +115,7 @@ def build(target_model, cfg: TrainConfig, data: ShardData | None, ckpt: dict | N
         if "d2t" in ckpt["model"]:
             d2t = ckpt["model"]["d2t"]
     elif cfg.draft_vocab:
-        d2t = frequent_vocab(data.seqs, target_model.config.vocab_size, cfg.draft_vocab)
+        d2t = vocab_from(data, target_model.config.vocab_size, cfg.draft_vocab)
     trainer = DrafterTrainer(target_model, cfg, d2t)
     opt = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -120,13 +125,18 @@ def build(target_model, cfg: TrainConfig, data: ShardData | None, ckpt: dict | N
     return trainer, opt
 
 
+def vocab_from(data: ShardData, vocab_size: int, size: int) -> torch.Tensor:
+    """The reduced vocabulary for the data loaded so far."""
+    return frequent_vocab(data.seqs, vocab_size, size, data.counts)
+
+
 def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
     """One AdamW step under bfloat16 autocast with gradient clipping; returns float metrics."""
     cfg = trainer.cfg
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
     trainer.model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
         out = trainer(batch)
     opt.zero_grad(set_to_none=True)
     out["loss"].backward()
@@ -153,18 +163,20 @@ def train_stage(args, out: Path, log, target=None) -> None:
 
     tdir = out / "train"
     tdir.mkdir(parents=True, exist_ok=True)
-    data = ShardData(out / "data")
+    if target is None:
+        target = load_target(None, "bfloat16")  # evaluation runs the engine as shipped (bf16)
+    data = ShardData(out / "data", target.config.vocab_size)
     while data.refresh() < args.wait_data and len(data.loaded) < args.wait_data:
         log.info("train: waiting for data shards (%d so far)", len(data.loaded))
         time.sleep(60)
     log.info("train: %d sequences, %d response tokens", len(data.seqs), data.tokens)
-    if target is None:
-        target = load_target(None, "bfloat16")  # evaluation runs the engine as shipped (bf16)
     ckpt_path = tdir / "ckpt.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     cfg = config_from_args(args)
     trainer, opt = build(target.model, cfg, data, ckpt)
     cfg = trainer.cfg
+    if cfg.draft_vocab:  # re-chosen from all data loaded now (the weights do not depend on it)
+        trainer.set_vocab(vocab_from(data, target.config.vocab_size, cfg.draft_vocab))
     cfg.steps = args.steps  # the horizon may grow when training continues
     state = ckpt["state"] if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0}
     if ckpt is None and args.init:
@@ -206,6 +218,8 @@ def train_stage(args, out: Path, log, target=None) -> None:
                 log.info("eval: new best, exported")
             last_eval = time.time()
         if state["step"] % 200 == 0 and data.refresh():
+            if cfg.draft_vocab:
+                trainer.set_vocab(vocab_from(data, target.config.vocab_size, cfg.draft_vocab))
             log.info("train: data now %d sequences, %d response tokens", len(data.seqs), data.tokens)
         seqs = rng.sample(data.seqs, min(cfg.batch, len(data.seqs)))
         batch = make_batch(seqs, cfg, gen, soft=cfg.soft_weight > 0)
