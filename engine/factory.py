@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from drafting.base import Drafter
+from engine.attention import install, installed_backend, select_backend
 from engine.engine import MODES, Engine, make_controller
 from engine.loader import DEFAULT_TARGET, Target, load_target
 
@@ -38,6 +39,7 @@ class EngineSettings:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int = 0
+    attention: str = "auto"
 
 
 def default_drafter_for(target: Target) -> str | None:
@@ -88,6 +90,11 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
     if settings.mode is not None and settings.mode not in MODES:
         raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
     target = target or load_target(settings.target, settings.dtype, settings.device)
+    # 'auto': sdpa on a CPU, else the fastest backend measured on the device. Plain sdpa is
+    # the model's own attention with the engine's explicit tree mask: nothing to install.
+    backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
+    if backend != "sdpa":
+        install(target.model, backend)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)
     drafter = load_drafter(drafter_spec, target)
     mode = settings.mode or ("bastion" if drafter is not None else "ar")
@@ -114,7 +121,8 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
 
     return EngineController.from_target(
         target.config, target.dtype, verify_timer(target.model, drafter.feature_layers),
-        device=settings.device, model_name=target.name, attn_backend="sdpa",
+        device=settings.device, model_name=target.name,
+        attn_backend=installed_backend(target.model) or "sdpa",
         max_context=target.max_context, progress=progress, max_depth=drafter.max_depth,
     )
 
@@ -130,6 +138,9 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--budget", type=int, default=env("BASTION_BUDGET", "32"), help="tree size for --mode tree")
     parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
     parser.add_argument("--device", default=env("BASTION_DEVICE", "cpu"), help="torch device (cpu, cuda)")
+    parser.add_argument("--attention", default=env("BASTION_ATTENTION", "auto"),
+                        choices=["auto", "sdpa", "flex", "flash_attn"],
+                        help="tree attention backend (default: sdpa on CPU, else the fastest measured)")
     parser.add_argument("--threads", type=int, default=env("BASTION_THREADS", "0"), help="torch CPU threads (0: default)")
 
 
@@ -143,4 +154,5 @@ def settings_from_args(args) -> EngineSettings:
         dtype=args.dtype,
         device=args.device,
         threads=args.threads,
+        attention=args.attention,
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import installed_backend, tree_kwargs
 from engine.sampling import SamplingParams, processed_probs
 from engine.tree import Tree, tree_attention_mask
 
@@ -26,12 +27,13 @@ _CACHE_KW: dict[type, str] = {}
 
 
 def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, attention_mask=None,
-                   hidden: bool = False, logits_to_keep: int = 0):
+                   hidden: bool = False, logits_to_keep: int = 0, **extra):
     """One target forward on top of `cache` (updated in place); returns the transformers output.
 
     input_ids: [1, s]; position_ids: [1, s] or None (continue after the cache);
     attention_mask: [1, 1, s, c + s] additive or None (causal). Passes the cache under the
     keyword this transformers version expects ('cache', formerly 'past_key_values').
+    extra: further model keywords, forwarded to the attention function (the tree, see engine.attention).
     """
     cls = type(model)
     if cls not in _CACHE_KW:
@@ -46,6 +48,7 @@ def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, 
         output_hidden_states=hidden,
         logits_to_keep=logits_to_keep,
         **kwargs,
+        **extra,
     )
 
 
@@ -67,12 +70,14 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
     """
     dev = model.device
     ids = tree.tokens[None].to(dev)
-    if tree.size == 1:
-        mask = None
-    else:
-        mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
+    mask, extra = None, {}
+    if tree.size > 1:
+        if installed_backend(model) is not None:
+            extra = tree_kwargs(tree, prefix_len, dev)  # the backend builds its own mask on the device
+        else:
+            mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
     out = target_forward(model, ids, cache, position_ids=tree.position_ids(prefix_len).to(dev),
-                         attention_mask=mask, hidden=bool(feature_layers))
+                         attention_mask=mask, hidden=bool(feature_layers), **extra)
     feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
     return VerifyOutput(logits=out.logits[0], features=feats)
 
