@@ -1,0 +1,262 @@
+"""DFlash + suffix hybrid drafter (issue 9): merges against brute force, state handling, well-formed proposals."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from drafting.base import CandidateTree, Drafter, Marginals
+from drafting.hybrid import HybridDrafter, merge_trees, mix_depth, suffix_depth_marginals
+from drafting.suffix import SuffixDrafter
+from engine.tree import ChainPolicy, FixedBudgetPolicy, build_tree
+
+
+class FixedMarginals(Drafter):
+    """Returns the same marginals every step; records the calls it gets."""
+
+    def __init__(self, marg: Marginals, feature_layers=(1,)):
+        self.marg = marg
+        self.max_depth = marg.depth
+        self.feature_layers = feature_layers
+        self.calls: list = []
+
+    def new_state(self):
+        return {"tokens": [], "features": 0, "finished": None}
+
+    def extend(self, state, token_ids, features):
+        state["tokens"] += list(token_ids)
+        state["features"] += 0 if features is None else features.shape[0]
+
+    def propose(self, state, root, max_depth):
+        self.calls.append((root, max_depth))
+        return Marginals(self.marg.token_ids[:max_depth], self.marg.logprobs[:max_depth])
+
+    def finish(self, state, final_tokens=()):
+        state["finished"] = list(final_tokens)
+
+
+def random_marginals(depth: int, k: int, vocab: int, rng: random.Random) -> Marginals:
+    ids, lps = [], []
+    for _ in range(depth):
+        row = rng.sample(range(vocab), k)
+        p = sorted((rng.random() + 0.01 for _ in range(k)), reverse=True)
+        z = sum(p) * (1 + rng.random())  # rows need not sum to 1 (top-K of a larger vocabulary)
+        ids.append(row)
+        lps.append([math.log(x / z) for x in p])
+    return Marginals(torch.tensor(ids), torch.tensor(lps, dtype=torch.float32))
+
+
+def random_suffix_tree(n: int, depth: int, vocab: int, rng: random.Random) -> CandidateTree:
+    toks, pars, lps, dep = [], [], [], []
+    kids: dict[int, set] = {}
+    while len(toks) < n:
+        p = rng.choice([-1] + [i for i in range(len(toks)) if dep[i] < depth])
+        t = rng.randrange(vocab)
+        if t in kids.setdefault(p, set()):
+            continue
+        kids[p].add(t)
+        toks.append(t)
+        pars.append(p)
+        dep.append(1 if p < 0 else dep[p] + 1)
+        lps.append(math.log(rng.random() * 0.9 + 0.05))
+    return CandidateTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(lps, dtype=torch.float32))
+
+
+def merged_conditionals(marg: Marginals, ct: CandidateTree, use_max: bool, w: float, max_depth: int
+                        ) -> dict[tuple[int, ...], float]:
+    """Brute force: every path of the merged tree up to max_depth -> its log path score."""
+    rows = [dict(zip(r, lp)) for r, lp in zip(marg.token_ids.tolist(), marg.logprobs.tolist())]
+    skids: dict[int, dict[int, tuple[float, int]]] = {}
+    for i, (t, p, lp) in enumerate(zip(ct.tokens.tolist(), ct.parents.tolist(), ct.logprobs.tolist())):
+        skids.setdefault(p, {})[t] = (lp, i)
+    out: dict[tuple[int, ...], float] = {}
+
+    def rec(path: tuple[int, ...], score: float, sref):
+        d = len(path)
+        if d == max_depth:
+            return
+        row = rows[d] if d < len(rows) else {}
+        sk = skids.get(sref, {}) if sref is not None else {}
+        for t in set(row) | set(sk):
+            if sk:
+                qs = math.exp(sk[t][0]) if t in sk else 0.0
+                qd = math.exp(row[t]) if t in row else 0.0
+                if not row:
+                    q = qs
+                elif use_max:
+                    q = max(qs, qd)
+                else:
+                    q = w * qs + (1 - w) * qd
+            else:
+                q = math.exp(row[t])
+            child = path + (t,)
+            out[child] = score + math.log(q)
+            rec(child, out[child], sk[t][1] if t in sk else None)
+
+    rec((), 0.0, -1)
+    return out
+
+
+def paths_of(ct: CandidateTree) -> dict[tuple[int, ...], float]:
+    toks, pars, lps = ct.tokens.tolist(), ct.parents.tolist(), ct.logprobs.tolist()
+    paths: list[tuple[int, ...]] = []
+    scores: list[float] = []
+    out = {}
+    for t, p, lp in zip(toks, pars, lps):
+        assert p < len(paths)
+        paths.append((paths[p] if p >= 0 else ()) + (t,))
+        scores.append((scores[p] if p >= 0 else 0.0) + lp)
+        assert paths[-1] not in out, "duplicate child"
+        out[paths[-1]] = scores[-1]
+    return out
+
+
+@pytest.mark.parametrize("use_max", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_trees_is_best_first_over_the_brute_force_union(use_max, seed):
+    rng = random.Random(seed)
+    D, K, vocab, depth, cap = 3, 3, 6, 4, 12
+    marg = random_marginals(D, K, vocab, rng)
+    ct = random_suffix_tree(8, depth, vocab, rng)
+    full = merged_conditionals(marg, ct, use_max, 0.6, depth)
+    got = paths_of(merge_trees(marg, ct, use_max, 0.6, cap, depth))
+    for p, s in got.items():  # every node's score is its merged path score
+        assert s == pytest.approx(full[p], abs=1e-5)
+    best_first = sorted(full.values(), reverse=True)[:cap]
+    # The first `cap` nodes are the top-`cap` paths; the rest is the top-1 chain completion.
+    top = sorted(got.values(), reverse=True)
+    assert len(got) >= min(cap, len(full))
+    assert top[:cap] == pytest.approx(best_first[:len(top[:cap])], abs=1e-5)
+    # Chain completion: following the best child from the root reaches the full depth.
+    path: tuple[int, ...] = ()
+    while len(path) < depth:
+        kids = {p: s for p, s in full.items() if len(p) == len(path) + 1 and p[:-1] == path}
+        if not kids:
+            break
+        path = max(kids, key=kids.get)
+        assert path in got
+    assert len(path) == depth or not any(len(p) == len(path) + 1 and p[:-1] == path for p in full)
+
+
+def test_merge_trees_whole_tree_when_cap_is_large():
+    rng = random.Random(7)
+    marg = random_marginals(2, 2, 5, rng)
+    ct = random_suffix_tree(5, 3, 5, rng)
+    full = merged_conditionals(marg, ct, False, 0.5, 3)
+    got = paths_of(merge_trees(marg, ct, False, 0.5, 1000, 3))
+    assert set(got) == set(full)
+
+
+def test_merge_respects_max_depth_and_feeds_build_tree():
+    rng = random.Random(3)
+    marg = random_marginals(4, 8, 50, rng)
+    ct = random_suffix_tree(20, 6, 50, rng)
+    got = merge_trees(marg, ct, False, 0.5, 32, 2)
+    assert max(len(p) for p in paths_of(got)) <= 2
+    tree = build_tree(99, got, FixedBudgetPolicy(16), 2)
+    assert tree.size == 16 and int(tree.depths.max()) <= 2
+    # Small cap, deep chain: the completed top-1 chain reaches the deepest depth with children.
+    chain = build_tree(99, merge_trees(marg, ct, False, 0.5, 3, 4), ChainPolicy(max_nodes=5), 4)
+    assert chain.depths.tolist() == list(range(5))
+
+
+def test_mix_depth_against_hand_computation():
+    marg = Marginals(torch.tensor([[1, 2, 3], [4, 5, 6]]),
+                     torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]])))
+    # Suffix tree: 2 (0.8) -> 9 (1.0); 7 (0.2) -> 4 (0.5).
+    ct = CandidateTree(torch.tensor([2, 7, 9, 4]), torch.tensor([-1, -1, 0, 1]),
+                       torch.log(torch.tensor([0.8, 0.2, 1.0, 0.5])))
+    m = suffix_depth_marginals(ct)
+    assert m[0] == pytest.approx({2: 0.8, 7: 0.2}) and m[1] == pytest.approx({9: 0.8, 4: 0.1})
+    out = mix_depth(marg, ct, 0.5)
+    assert out.token_ids.shape == (2, 3)
+    row0 = dict(zip(out.token_ids[0].tolist(), out.logprobs[0].exp().tolist()))
+    assert row0 == pytest.approx({2: 0.55, 1: 0.25, 7: 0.1})
+    row1 = dict(zip(out.token_ids[1].tolist(), out.logprobs[1].exp().tolist()))
+    assert row1 == pytest.approx({9: 0.4, 4: 0.35, 5: 0.1})
+    assert (out.logprobs[:, :-1] >= out.logprobs[:, 1:]).all()
+
+
+@pytest.mark.parametrize("merge", ["mix-tree", "max-tree", "mix-depth"])
+def test_hybrid_state_flow_and_fallback(merge):
+    rng = random.Random(0)
+    marg = random_marginals(5, 4, 40, rng)
+    fd = FixedMarginals(marg)
+    h = HybridDrafter(fd, SuffixDrafter(max_depth=8, global_tokens=100), merge=merge)
+    assert h.feature_layers == (1,) and h.max_depth == 8
+    st = h.new_state()
+    h.extend(st, [1, 2, 3, 4], torch.zeros(4, 3))
+    assert st.dflash["tokens"] == [1, 2, 3, 4] and st.dflash["features"] == 4
+    assert st.suffix.tokens == [1, 2, 3, 4]
+    # No suffix match (root 30 never seen): DFlash's marginals come back unchanged.
+    p = h.propose(st, 30, 8)
+    assert isinstance(p, Marginals) and torch.equal(p.token_ids, marg.token_ids)
+    assert fd.calls[-1] == (30, 5)
+    # A match: root 2 is followed by 3, 4 in the context.
+    p = h.propose(st, 2, 8)
+    assert isinstance(p, Marginals if merge == "mix-depth" else CandidateTree)
+    tree = build_tree(2, p, FixedBudgetPolicy(64), 8)
+    assert tree.tokens[1:].tolist().count(3) >= 1
+    assert st.proposals == 2 and st.merged == 1
+    assert h.finish(st, [5]) == 0
+    assert st.dflash["finished"] == [5]
+    assert h.suffix.global_index.tokens(0) == [5]
+
+
+def test_hybrid_skips_dflash_on_long_matches():
+    rng = random.Random(1)
+    fd = FixedMarginals(random_marginals(4, 4, 40, rng))
+    h = HybridDrafter(fd, SuffixDrafter(), skip_dflash_match=3)
+    st = h.new_state()
+    h.extend(st, [5, 6, 7, 8, 9, 5, 6], torch.zeros(7, 3))
+    p = h.propose(st, 7, 4)  # match "5 6 7" (3 tokens): suffix alone, DFlash not called
+    assert isinstance(p, CandidateTree) and p.tokens.tolist()[:2] == [8, 9]
+    assert fd.calls == [] and st.skipped == 1
+    h.extend(st, [7], torch.zeros(1, 3))
+    h.propose(st, 1, 4)  # no match: DFlash runs and sees every pending feature row
+    assert fd.calls == [(1, 4)] and st.dflash["features"] == 8
+
+
+def test_hybrid_options_validated():
+    fd = FixedMarginals(random_marginals(2, 2, 10, random.Random(0)))
+    with pytest.raises(ValueError):
+        HybridDrafter(fd, SuffixDrafter(), merge="sum")
+    with pytest.raises(ValueError):
+        HybridDrafter(fd, SuffixDrafter(), weight=0.0)
+    with pytest.raises(ValueError):
+        HybridDrafter(fd, SuffixDrafter(), skip_dflash_match=-1)
+
+
+def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_drafter):
+    """Random DFlash + suffix on real prompts: parents first, unique children, finite scores, depth cap."""
+    from engine.engine import Engine
+
+    h = HybridDrafter(random_drafter, SuffixDrafter())
+    eng = Engine(target_f32)
+    ids = eng.chat_prompt_ids([{"role": "user", "content": "Copy this list twice: apple, pear, plum, fig."}])
+    st = h.new_state()
+    from engine.verifier import gather_features, target_forward
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = target_forward(target_f32.model, torch.tensor([ids]), DynamicCache(config=target_f32.model.config),
+                             hidden=True, logits_to_keep=1)
+        h.extend(st, ids, gather_features(out.hidden_states, h.feature_layers))
+    merged = 0
+    for root in ids[-12:]:  # roots that occur in the context: the suffix index matches
+        for depth in (15, 4):
+            p = h.propose(st, root, depth)
+            assert isinstance(p, CandidateTree)
+            toks, pars, lps = p.tokens.tolist(), p.parents.tolist(), p.logprobs.tolist()
+            assert len(toks) <= h.max_candidates + depth
+            seen, dep = set(), []
+            for i, (t, q) in enumerate(zip(toks, pars)):
+                assert -1 <= q < i and (q, t) not in seen
+                seen.add((q, t))
+                dep.append(1 if q < 0 else dep[q] + 1)
+            assert max(dep) <= depth
+            assert all(math.isfinite(x) and x <= 1e-6 for x in lps)
+            merged += 1
+    assert st.merged == merged

@@ -1,0 +1,120 @@
+"""Exactness at temperature 0 with the suffix drafter and the DFlash + suffix hybrid (issue 9).
+
+Real prompts on the embedded default, several of them repetition-heavy so the suffix
+index proposes long accepted paths; every speculative output must equal engine AR.
+"""
+from __future__ import annotations
+
+import pytest
+
+from drafting.hybrid import DEFAULT_MERGE, MERGES, HybridDrafter
+from drafting.suffix import SuffixDrafter
+from engine.engine import Engine, make_controller
+from engine.sampling import SamplingParams
+
+PROMPTS = [
+    "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
+    "Add type hints to this function and return it:\n\ndef add(a, b):\n    return a + b",
+    "Fix the bug in this code:\n\ndef is_even(n):\n    return n % 2 == 1",
+    "Write the numbers from one to ten in words, separated by commas.",
+    "What is the capital of Australia?",
+    "Write a haiku about the sea.",
+]
+MAX_TOKENS = 32
+MODES = [("tree", 16), ("chain", 16)]
+
+
+@pytest.fixture(scope="module")
+def references(target_f32):
+    """Per prompt: (prompt ids, engine AR output ids)."""
+    ar = Engine(target_f32)
+    out = []
+    for p in PROMPTS:
+        ids = ar.chat_prompt_ids([{"role": "user", "content": p}])
+        out.append((ids, ar.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids))
+    return out
+
+
+def _check(target, drafter, references, modes=MODES):
+    taus = []
+    for mode, budget in modes:
+        eng = Engine(target, drafter, make_controller(mode, budget, drafter.max_depth + 1))
+        for ids, ref in references:
+            r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+            assert r.token_ids == ref, (mode, budget, ids)
+            assert all(s.tree_size <= budget for s in r.steps)
+            taus.append(r.tau)
+    return taus
+
+
+def test_suffix_drafter_equals_ar(target_f32, references):
+    d = SuffixDrafter(global_tokens=4096)  # the global index fills as requests finish
+    taus = _check(target_f32, d, references)
+    assert len(d.global_index) == 2 * len(PROMPTS)
+    assert max(taus) > 2  # repetition-heavy prompts accept long paths
+
+
+def test_hybrid_equals_ar(target_f32, random_drafter, references):
+    """The default merge, every prompt, tree and chain (the random DFlash costs about a
+    target forward per step on a CPU, so the other merges get fewer prompts below)."""
+    h = HybridDrafter(random_drafter, SuffixDrafter())
+    taus = _check(target_f32, h, references)
+    assert max(taus) > 2
+
+
+@pytest.mark.parametrize("merge", [m for m in MERGES if m != DEFAULT_MERGE])
+def test_other_merges_equal_ar(target_f32, random_drafter, references, merge):
+    h = HybridDrafter(random_drafter, SuffixDrafter(), merge=merge)
+    taus = _check(target_f32, h, references[:3], MODES[:1])
+    assert max(taus) > 1.5
+
+
+class _CountingHybrid(HybridDrafter):
+    skipped = 0
+
+    def propose(self, state, root, max_depth):
+        before = state.skipped
+        out = super().propose(state, root, max_depth)
+        self.skipped += state.skipped - before
+        return out
+
+
+def test_hybrid_skipping_dflash_equals_ar(target_f32, random_drafter, references):
+    h = _CountingHybrid(random_drafter, SuffixDrafter(), skip_dflash_match=2)
+    _check(target_f32, h, references[:2], MODES[:1])
+    assert h.skipped > 0
+
+
+def _finished_output(target, drafter, suffix, ids):
+    eng = Engine(target, drafter, make_controller("tree", 16))
+    r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+    g = suffix.global_index
+    assert len(g) == 1
+    return r.token_ids, g.tokens(g.request_ids()[0])
+
+
+def _drafters(random_drafter):
+    s1, s2 = SuffixDrafter(global_tokens=1000), SuffixDrafter(global_tokens=1000)
+    return [(s1, s1), (HybridDrafter(random_drafter, s2), s2)]
+
+
+def test_engine_finish_feeds_the_global_index(target_f32, random_drafter, references):
+    """The engine calls finish() at request end and the output lands in the global index,
+    through the hybrid too (today less the last step's root: see the strict xfail below)."""
+    ids, ref = references[0]
+    for drafter, suffix in _drafters(random_drafter):
+        out, stored = _finished_output(target_f32, drafter, suffix, ids)
+        assert out == ref
+        assert len(stored) >= len(ref) - 1
+        it = iter(ref)
+        assert all(t in it for t in stored)  # a subsequence of the output
+
+
+@pytest.mark.xfail(strict=True, reason="engine.step calls drafter.finish(state, committed) without the last "
+                   "step's root (committed one step earlier, never extended): it should pass "
+                   "[int(tree.tokens[0])] + committed")
+def test_engine_finish_passes_the_whole_output(target_f32, random_drafter, references):
+    ids, ref = references[0]
+    for drafter, suffix in _drafters(random_drafter):
+        out, stored = _finished_output(target_f32, drafter, suffix, ids)
+        assert stored == out
