@@ -79,3 +79,37 @@ def test_oracle_drafter_modes_equal_ar_with_long_accepts(target_f32, references,
         if not (mode == "chain" and decoy) and budget >= 16:
             # The true path is in the tree: most steps accept a long path (decoys cost some depth).
             assert sum(taus) / len(taus) > (5 if decoy else 8), (mode, budget, decoy, taus)
+
+
+def synthetic_controller():
+    """The adaptive controller over a fixed roofline shaped like this CPU (no calibration run)."""
+    from prometheus_client import CollectorRegistry
+
+    from controller.ceilings import Ceilings
+    from controller.cost_model import ModelShape
+    from controller.latency_model import LatencyModel, LatencyParams
+    from controller.policy import PolicySettings
+    from controller.runtime import EngineController
+
+    shape = ModelShape(layers=30, hidden=576, n_q=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152,
+                       bytes_per_param=4, tied_embeddings=True)
+    model = LatencyModel(shape, Ceilings(60e9, 12e9, "synthetic cpu"), LatencyParams(1.6, 4e-3, 1.3, 6e-3))
+    return EngineController(model, PolicySettings(1, 256, 1, 64), registry=CollectorRegistry())
+
+
+def test_bastion_mode_equals_ar(target_f32, random_drafter, references):
+    vocab = target_f32.config.vocab_size
+    sizes = []
+    for ids, ref in references[:6]:
+        d = OracleDrafter(ids + ref + [0] * 16, vocab, decoy_every=3)
+        r = Engine(target_f32, d, synthetic_controller()).generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert r.token_ids == ref
+        sizes += [s.tree_size for s in r.steps]
+    # The adaptive policy grew real trees (and sized them per step).
+    assert len(set(sizes)) >= 2 and max(sizes) > 4
+    for ids, ref in references[:3]:
+        eng = Engine(target_f32, random_drafter, synthetic_controller())
+        r = eng.generate(ids, SamplingParams(max_tokens=RANDOM_TOKENS))
+        assert r.token_ids == ref[:RANDOM_TOKENS]
+        # A useless drafter: the gate turns drafting off after its probe steps.
+        assert any(not s.drafted for s in r.steps)
