@@ -3,8 +3,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
-HOST ?= 127.0.0.1
-PORT ?= 8000
+HOST ?= $(or $(BASTION_HOST),127.0.0.1)
+PORT ?= $(or $(BASTION_PORT),8000)
 
 .PHONY: install serve test demo bench calibrate clean
 

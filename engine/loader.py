@@ -95,9 +95,15 @@ def _check_arch(config, given: str) -> None:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+    """Cache folder of a converted GGUF file, keyed by its content (size, first and last MiB),
+    so every checkout or virtual environment holding the same file shares one conversion."""
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return cache_root() / "targets" / f"{gguf.stem}-{h.hexdigest()[:16]}"
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

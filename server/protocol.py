@@ -83,6 +83,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+_NULLABLE_WITH_DEFAULT = {"temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty"}
+
+
 class _SamplingFields(_Strict):
     """Fields shared by chat and text completions. Ranges follow the OpenAI API."""
 
@@ -100,6 +103,14 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        # The OpenAI API marks these nullable; clients send explicit nulls for "use the default".
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULLABLE_WITH_DEFAULT)}
+        return data
 
     @field_validator("n")
     @classmethod
@@ -252,7 +263,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
         kind = err.get("type", "")
         if kind == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON: {err.get('msg')}", code="invalid_json") from None
-        if kind == "model_type" or (kind == "model_attributes_type" and not err.get("loc")):
+        if kind in ("model_type", "model_attributes_type") and not err.get("loc"):
             raise APIError(400, "the request body must be a JSON object", code="invalid_body") from None
         param = _loc_to_param(err.get("loc", ()))
         msg = str(err.get("msg", "invalid value"))
