@@ -260,3 +260,17 @@ def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_dr
             assert all(math.isfinite(x) and x <= 1e-6 for x in lps)
             merged += 1
     assert st.merged == merged
+
+
+def test_factory_specs_resolve_to_the_hybrid(target_f32, random_drafter, tmp_path):
+    """'suffix' and 'X+suffix' through engine.factory.load_drafter (X: a DFlash folder)."""
+    from drafting.dflash import save_dflash
+    from drafting.hybrid import DEFAULT_MERGE
+    from engine.factory import load_drafter
+
+    assert isinstance(load_drafter("suffix", target_f32), SuffixDrafter)
+    save_dflash(random_drafter.model, tmp_path / "d")
+    h = load_drafter(f"{tmp_path / 'd'}+suffix", target_f32)
+    assert isinstance(h, HybridDrafter) and h.merge == DEFAULT_MERGE
+    assert h.feature_layers == random_drafter.feature_layers
+    assert h.max_depth == max(random_drafter.max_depth, h.suffix.max_depth)
