@@ -86,7 +86,8 @@ class SurrogateCalibrator:
 
         A per-row shift keeps each row sorted, so best-first order within a depth is unchanged.
         """
-        if not self.enabled:
+        if not self.enabled or not isinstance(marginals, Marginals):
+            # Candidate trees carry conditional scores: the per-depth scale does not apply.
             self._applied = np.ones(self.max_depth)
             return marginals
         g = self.depth_factors()

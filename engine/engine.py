@@ -237,6 +237,8 @@ class Engine:
         seq.prefix_len = len(prompt_ids)
         committed, finish = self._commit(seq, [seq.root])
         seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
+        if finish is not None and drafter is not None:
+            drafter.finish(seq.drafter_state, committed)
         return seq
 
     @torch.inference_mode()
@@ -290,7 +292,8 @@ class Engine:
         seq.steps.append(stats)
         ctl.observe(stats, tree)
         if finish is not None and drafter is not None:
-            drafter.finish(seq.drafter_state, committed)
+            # The root was committed earlier but, like this step's tokens, never reached the drafter.
+            drafter.finish(seq.drafter_state, [seq.root] + committed)
         return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
 
     def stream(

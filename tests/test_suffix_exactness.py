@@ -110,9 +110,6 @@ def test_engine_finish_feeds_the_global_index(target_f32, random_drafter, refere
         assert all(t in it for t in stored)  # a subsequence of the output
 
 
-@pytest.mark.xfail(strict=True, reason="engine.step calls drafter.finish(state, committed) without the last "
-                   "step's root (committed one step earlier, never extended): it should pass "
-                   "[int(tree.tokens[0])] + committed")
 def test_engine_finish_passes_the_whole_output(target_f32, random_drafter, references):
     ids, ref = references[0]
     for drafter, suffix in _drafters(random_drafter):
