@@ -43,9 +43,11 @@ class EngineSettings:
 
 
 def default_drafter_for(target: Target) -> str | None:
-    """The drafter used when none is named: the shipped one for the embedded default, else none."""
+    """The drafter used when none is named: for the embedded default, its shipped DFlash drafter
+    merged with the suffix drafter (the merge beat DFlash alone on every set, docs/suffix.md);
+    for other targets none (pass --drafter, e.g. a z-lab checkpoint or 'suffix')."""
     if target.name == DEFAULT_TARGET and (SHIPPED_DRAFTER / "config.json").is_file():
-        return str(SHIPPED_DRAFTER)
+        return f"{SHIPPED_DRAFTER}+suffix"
     return None
 
 
@@ -70,10 +72,9 @@ def load_drafter(spec: str | None, target: Target) -> Drafter | None:
 
         return HybridDrafter(load_drafter(spec[: -len("+suffix")], target), SuffixDrafter())
     if spec == "dflash":
-        shipped = default_drafter_for(target)
-        if shipped is None:
+        if target.name != DEFAULT_TARGET or not (SHIPPED_DRAFTER / "config.json").is_file():
             raise ConfigError(f"no DFlash drafter is shipped for target '{target.name}'; pass a checkpoint path")
-        spec = shipped
+        spec = str(SHIPPED_DRAFTER)
     from drafting.dflash import load_dflash
 
     return load_dflash(spec, target.model)
@@ -133,7 +134,7 @@ def add_engine_arguments(parser) -> None:
 
     env = os.environ.get
     parser.add_argument("--target", default=env("BASTION_TARGET"), help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id, or 'none' (default: the shipped drafter of the default target)")
+    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id, or 'none' (default for the embedded target: its shipped DFlash drafter + suffix)")
     parser.add_argument("--mode", default=env("BASTION_MODE"), choices=MODES, help="decoding mode (default: bastion with a drafter, else ar)")
     parser.add_argument("--budget", type=int, default=env("BASTION_BUDGET", "32"), help="tree size for --mode tree")
     parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
