@@ -105,3 +105,16 @@ class ShuffledMarginalsDrafter(Drafter):
         d = min(max_depth, self.max_depth)
         ids = torch.stack([torch.randperm(self.vocab, generator=self.gen) for _ in range(d)])
         return Marginals(token_ids=ids, logprobs=self.logprobs.expand(d, -1).clone())
+
+
+def ar_references(target, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """Per prompt: (chat-templated prompt ids, the engine's plain greedy output ids)."""
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    ar = Engine(target)
+    out = []
+    for p in prompts:
+        ids = ar.chat_prompt_ids([{"role": "user", "content": p}])
+        out.append((ids, ar.generate(ids, SamplingParams(max_tokens=max_tokens)).token_ids))
+    return out

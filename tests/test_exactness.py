@@ -6,7 +6,7 @@ import torch
 
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
-from helpers import OracleDrafter
+from helpers import OracleDrafter, ar_references
 
 PROMPTS = [
     "What is 2+2?",
@@ -38,12 +38,7 @@ MODES = [("chain", 16), ("tree", 8), ("tree", 32), ("tree", 128)]
 @pytest.fixture(scope="module")
 def references(target_f32):
     """Per prompt: (prompt ids, engine AR output ids)."""
-    ar = Engine(target_f32)
-    out = []
-    for p in PROMPTS:
-        ids = ar.chat_prompt_ids([{"role": "user", "content": p}])
-        out.append((ids, ar.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids))
-    return out
+    return ar_references(target_f32, PROMPTS, MAX_TOKENS)
 
 
 def test_engine_ar_equals_transformers_generate(target_f32, references):

@@ -11,6 +11,7 @@ from drafting.hybrid import DEFAULT_MERGE, MERGES, HybridDrafter
 from drafting.suffix import SuffixDrafter
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
+from helpers import ar_references
 
 PROMPTS = [
     "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.",
@@ -27,12 +28,7 @@ MODES = [("tree", 16), ("chain", 16)]
 @pytest.fixture(scope="module")
 def references(target_f32):
     """Per prompt: (prompt ids, engine AR output ids)."""
-    ar = Engine(target_f32)
-    out = []
-    for p in PROMPTS:
-        ids = ar.chat_prompt_ids([{"role": "user", "content": p}])
-        out.append((ids, ar.generate(ids, SamplingParams(max_tokens=MAX_TOKENS)).token_ids))
-    return out
+    return ar_references(target_f32, PROMPTS, MAX_TOKENS)
 
 
 def _check(target, drafter, references, modes=MODES):
