@@ -23,6 +23,19 @@ class Marginals:
     def depth(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def to_host(self) -> "Marginals":
+        """Both tensors on the CPU with one device-to-host transfer; `self` when already there.
+
+        Ids and log-probs travel packed as one float64 [D, 2K] tensor: float64 holds every
+        token id (< 2^53) and every float32/bfloat16 log-prob exactly. Returns token_ids
+        int64 and logprobs in their original dtype.
+        """
+        if self.token_ids.device.type == "cpu" and self.logprobs.device.type == "cpu":
+            return self
+        k = self.token_ids.shape[1]
+        packed = torch.cat([self.token_ids.double(), self.logprobs.double()], dim=1).cpu()
+        return Marginals(token_ids=packed[:, :k].long(), logprobs=packed[:, k:].to(self.logprobs.dtype))
+
 
 @dataclass
 class CandidateTree:

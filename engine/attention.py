@@ -59,16 +59,22 @@ def impl_name(backend: str) -> str:
 
 # ---- the tree structure, on the device ------------------------------------------------------
 
-def ancestor_matrix_device(parents: torch.Tensor, max_depth: int, device: torch.device | str) -> torch.Tensor:
+def ancestor_matrix_device(parents: torch.Tensor, max_depth: int, device: torch.device | str,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, n] bool on `device`: (i, j) True when node j is node i or one of its ancestors.
 
     parents: [n] int64 (parents[0] = -1, a parent precedes its children); max_depth: the
     tree's depth (known on the host, so no device sync). Built with max_depth + 1 scatters.
+    out: optional preallocated [n, n] bool on `device` (may be a view of a larger buffer);
+    it is cleared and filled, and returned.
     """
     par = parents.to(device, non_blocking=True)
     n = par.shape[0]
     idx = torch.arange(n, device=device)
-    anc = torch.zeros((n, n), dtype=torch.bool, device=device)
+    if out is None:
+        anc = torch.zeros((n, n), dtype=torch.bool, device=device)
+    else:
+        anc = out.zero_()
     cur = idx
     for _ in range(max_depth + 1):
         anc.scatter_(1, cur[:, None], True)

@@ -13,7 +13,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import SamplingParams, select_token
 from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
-from engine.verifier import accept_greedy, accept_sample, compact_cache, gather_features, target_forward, verify
+from engine.greedy_device import accept_greedy_device
+from engine.tree_buffers import TreeBufferPool
+from engine.verifier import accept_sample, compact_cache, gather_features, target_forward, verify
 
 MODES = ("ar", "chain", "tree", "bastion")
 
@@ -179,6 +181,8 @@ class Engine:
         self.drafter = drafter
         self.controller = controller or make_controller("ar")
         self.eos_ids = target.eos_token_ids
+        # Tree index buffers, one per bucket size, reused by every step of every request.
+        self.buffers = TreeBufferPool(self.model.device)
 
     # ---- prompt handling -------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -262,18 +266,21 @@ class Engine:
         t1 = time.perf_counter()
         tree = build_tree(seq.root, proposal, policy, max_depth)
         t2 = time.perf_counter()
-        vo = verify(self.model, seq.cache, tree, seq.prefix_len, flayers)
+        dtree = self.buffers.load(tree, seq.prefix_len)
+        vo = verify(self.model, seq.cache, tree, seq.prefix_len, flayers, device_tree=dtree)
         t3 = time.perf_counter()
         if params.greedy:
-            path, bonus = accept_greedy(tree, vo.logits)
+            acc = accept_greedy_device(dtree, vo.logits)
+            path, bonus, index = acc.path, acc.bonus, acc.index
         else:
             path, bonus = accept_sample(tree, vo.logits, params, seq.generator)
+            index = None
         committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
         context_len = seq.prefix_len
         if finish is None:
-            compact_cache(seq.cache, seq.prefix_len, path)
+            compact_cache(seq.cache, seq.prefix_len, path, index)
             if drafter is not None:
-                feats = vo.features[path] if vo.features is not None else None
+                feats = vo.features[index if index is not None else path] if vo.features is not None else None
                 drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), feats)
             seq.prefix_len += len(path)
             seq.root = bonus

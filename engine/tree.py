@@ -112,8 +112,10 @@ def _children_source(proposal: Proposal, top_k: int | None):
     """Return (children(ref) -> (tokens, logprobs) lists, ref_of_child(ref, rank) -> ref)."""
     if isinstance(proposal, Marginals):
         k = proposal.token_ids.shape[1] if top_k is None else min(top_k, proposal.token_ids.shape[1])
-        toks = proposal.token_ids[:, :k].tolist()
-        lps = proposal.logprobs[:, :k].float().tolist()
+        # Device marginals reach the host here, in one transfer of the kept columns only.
+        kept = Marginals(proposal.token_ids[:, :k], proposal.logprobs[:, :k]).to_host()
+        toks = kept.token_ids.tolist()
+        lps = kept.logprobs.float().tolist()
         depth = len(toks)
         empty: tuple[list, list] = ([], [])
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import installed_backend, tree_kwargs
+from engine.attention import TREE_KWARG, installed_backend
 from engine.sampling import SamplingParams, processed_probs
-from engine.tree import Tree, tree_attention_mask
+from engine.tree import Tree
+from engine.tree_buffers import DeviceTree, TreeBufferPool
 
 
 @dataclass
@@ -59,24 +60,36 @@ def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
     return torch.cat([hidden_states[l][0] for l in layers], dim=-1)
 
 
+_POOLS: dict[torch.device, TreeBufferPool] = {}
+
+
+def _fallback_pool(device: torch.device) -> TreeBufferPool:
+    """Buffers for callers of `verify` without their own (calibration, scripts): one pool per device."""
+    if device not in _POOLS:
+        _POOLS[device] = TreeBufferPool(device)
+    return _POOLS[device]
+
+
 @torch.inference_mode()
-def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int, ...]) -> VerifyOutput:
+def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int, ...],
+           device_tree: DeviceTree | None = None) -> VerifyOutput:
     """Run the target once over all tree nodes on top of the cached prefix.
 
     cache: transformers Cache holding exactly `prefix_len` committed tokens; after the
     call it holds prefix_len + n entries (compact it with `compact_cache`).
     Positions are prefix_len + depth; the mask lets node i see the prefix, itself and
     its ancestors (SPEC section 4). A single node needs no mask (plain causal step).
+    device_tree: `tree` already loaded on the model's device (engine.tree_buffers); when None
+    it is loaded into a per-device pool shared by such callers. The mask is built on the device from it, without a sync.
     """
-    dev = model.device
-    ids = tree.tokens[None].to(dev)
+    dt = device_tree if device_tree is not None else _fallback_pool(model.device).load(tree, prefix_len)
     mask, extra = None, {}
-    if tree.size > 1:
+    if dt.size > 1:
         if installed_backend(model) is not None:
-            extra = tree_kwargs(tree, prefix_len, dev)  # the backend builds its own mask on the device
+            extra = {TREE_KWARG: dt.attention()}  # the backend builds its own mask on the device
         else:
-            mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
-    out = target_forward(model, ids, cache, position_ids=tree.position_ids(prefix_len).to(dev),
+            mask = dt.additive_mask(model.dtype)
+    out = target_forward(model, dt.tokens[None], cache, position_ids=dt.position_ids,
                          attention_mask=mask, hidden=bool(feature_layers), **extra)
     feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
     return VerifyOutput(logits=out.logits[0], features=feats)
@@ -118,18 +131,24 @@ def accept_sample(
         path.append(nxt)
 
 
-def compact_cache(cache, prefix_len: int, path: list[int]) -> None:
+def compact_cache(cache, prefix_len: int, path: list[int], index: torch.Tensor | None = None) -> None:
     """Keep prefix + the accepted tree nodes in the target's KV cache, in path order.
 
     cache holds prefix_len + n entries after `verify`. When the path is the tree's
     first len(path) nodes (a chain, or AR) this is a crop; otherwise one gather per
     layer through a temporary (the source and destination ranges may overlap).
+    index: optional [len(path)] int64, the same path on the cache's device (from
+    engine.greedy_device); without it the path is copied to each device once.
     """
     keep = prefix_len + len(path)
     if path != list(range(len(path))):
-        idx = torch.tensor(path, dtype=torch.long) + prefix_len
+        src = (torch.tensor(path, dtype=torch.long) if index is None else index) + prefix_len
+        on_device: dict[torch.device, torch.Tensor] = {}
         for layer in cache.layers:
-            idx_d = idx.to(layer.keys.device)
+            dev = layer.keys.device
+            if dev not in on_device:
+                on_device[dev] = src.to(dev, non_blocking=True)
+            idx_d = on_device[dev]
             layer.keys[:, :, prefix_len:keep] = layer.keys.index_select(2, idx_d)
             layer.values[:, :, prefix_len:keep] = layer.values.index_select(2, idx_d)
     for layer in cache.layers:
