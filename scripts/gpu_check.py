@@ -12,7 +12,8 @@ directly on the device (no download), then:
   3. runs the controller's calibration (sdpa path) and reports its fit error, and the
      measured ceilings next to the datasheet (H200: 989 TFLOP/s bf16, 4.8 TB/s);
   4. times drafter forwards (one block of 16 over c context tokens);
-  5. measures the per-step overhead outside the model forwards at 64 tree nodes.
+  5. measures the per-step overhead outside the model forwards at 64 tree nodes, for the
+     host path (host mask, host acceptance loop) and the device path the engine uses.
 Random weights make acceptance meaningless: it reports latencies, never speedups.
 """
 from __future__ import annotations
@@ -38,6 +39,8 @@ from drafting.dflash import DFlashDrafter, DFlashModel, DFlashSpec  # noqa: E402
 from engine import attention as attn  # noqa: E402
 from engine.timing import verify_timer  # noqa: E402
 from engine.tree import FixedBudgetPolicy, Tree, build_tree, tree_attention_mask  # noqa: E402
+from engine.greedy_device import accept_greedy_device  # noqa: E402
+from engine.tree_buffers import TreeBufferPool  # noqa: E402
 from engine.verifier import accept_greedy, compact_cache  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -230,10 +233,15 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
                   repeats: int = 20) -> dict:
     """Median seconds of each per-step piece outside the model forwards, at n tree nodes over c tokens.
 
-    tree_build: best-first over [15, 128] marginals; mask_host: today's additive mask (numpy on the
-    host, then copied); mask_device: TreeAttention (ancestors built on the device) + its mask;
-    accept: greedy acceptance over [n, V] logits (argmax + one host read); compact: KV gather of a
-    non-prefix path in every layer (the cache shaped like the target's).
+    tree_build: best-first over [15, 128] marginals. Host path (before issue 8 item 3):
+    mask_host: additive mask (numpy on the host, then copied); accept: accept_greedy over [n, V]
+    logits (argmax, tolist, Python walk over children); compact: KV gather of a non-prefix path in
+    every layer from a host list. Device path (the engine's): load_device: tree into the per-bucket
+    buffers (one copy), ancestors and additive mask on the device; accept_device: accept_greedy_device
+    (one host read); compact_device: the gather with the device index. argmax: the argmax over
+    [n, V] alone, part of both accepts. walk_host / walk_device: both acceptances over a stand-in
+    with a vocabulary of only the tokens involved (same path), i.e. without the big argmax.
+    mask_device: TreeAttention.from_tree + visible (for reference).
     """
     from transformers import DynamicCache
 
@@ -256,15 +264,37 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
     layers = [(torch.randn(kv_shape, device=device, dtype=dtype), torch.randn(kv_shape, device=device, dtype=dtype))
               for _ in range(L)]
     path, _ = accept_greedy(tree, logits)
+    pool = TreeBufferPool(device)
+    dtree = pool.load(tree, c)
+    acc = accept_greedy_device(dtree, logits)  # also builds dtree's ancestors, as verification does
+    if acc.path != path:
+        raise AssertionError(f"device acceptance {acc.path} differs from the reference {path}")
     cache = DynamicCache()
     for i, (k, v) in enumerate(layers):
         cache.update(k, v, i)
     full = [(layer.keys, layer.values) for layer in cache.layers]
 
-    def compact():
+    # The same decision over a vocabulary of only the tokens involved: times the walk without the big argmax.
+    targ = torch.argmax(logits, dim=-1).tolist()
+    vocab_small = sorted(set(tree.tokens.tolist()) | set(targ))
+    rank = {t: i for i, t in enumerate(vocab_small)}
+    small_tree = Tree(tokens=torch.tensor([rank[t] for t in tree.tokens.tolist()]), parents=tree.parents,
+                      depths=tree.depths, a_hat=tree.a_hat, log_scores=tree.log_scores)
+    small_logits = torch.zeros(tree.size, len(vocab_small), dtype=dtype, device=device)
+    small_logits[torch.arange(tree.size), torch.tensor([rank[t] for t in targ])] = 1
+    small_dtree = TreeBufferPool(device).load(small_tree, c)
+    if accept_greedy_device(small_dtree, small_logits).path != path:
+        raise AssertionError("the small-vocabulary stand-in changed the accepted path")
+
+    def compact(index=None):
         for layer, (k, v) in zip(cache.layers, full):  # back to c + n entries (no copy)
             layer.keys, layer.values = k, v
-        compact_cache(cache, c, path)
+        compact_cache(cache, c, path, index)
+        sync(device)
+
+    def load_device():
+        dt = pool.load(tree, c)
+        dt.additive_mask(dtype)  # builds the ancestors too
         sync(device)
 
     parts = {
@@ -273,9 +303,16 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
         "mask_device": lambda: attn.TreeAttention.from_tree(tree, c, device).visible(),
         "accept": lambda: accept_greedy(tree, logits),
         "compact": compact,
+        "load_device": load_device,
+        "argmax": lambda: torch.argmax(logits, dim=-1),
+        "accept_device": lambda: accept_greedy_device(dtree, logits),
+        "compact_device": lambda: compact(acc.index),
+        "walk_host": lambda: accept_greedy(small_tree, small_logits),
+        "walk_device": lambda: accept_greedy_device(small_dtree, small_logits),
     }
     out = {k: timed(f, device, 2, repeats) for k, f in parts.items()}
-    out["total_today"] = out["tree_build"] + out["mask_host"] + out["accept"] + out["compact"]
+    out["total_host_path"] = out["tree_build"] + out["mask_host"] + out["accept"] + out["compact"]
+    out["total_device_path"] = out["tree_build"] + out["load_device"] + out["accept_device"] + out["compact_device"]
     out.update(n=tree.size, c=c, accepted_path=len(path), vocab=V, layers=L)
     return out
 
@@ -319,9 +356,17 @@ def markdown(report: dict) -> str:
                   ""]
     ov = report.get("overhead")
     if ov:
-        lines += [f"Per-step overhead outside forwards at n={ov['n']}, c={ov['c']} (ms): "
-                  + ", ".join(f"{k} {ov[k] * 1e3:.3f}" for k in ("tree_build", "mask_host", "mask_device", "accept",
-                                                              "compact", "total_today")), ""]
+        host = ("tree_build", "mask_host", "accept", "compact", "total_host_path")
+        dev = ("tree_build", "load_device", "accept_device", "compact_device", "total_device_path")
+        lines += [f"Per-step overhead outside forwards at n={ov['n']}, c={ov['c']} (ms):", "",
+                  "| path | " + " | ".join(["tree build", "indices + mask", "greedy acceptance", "KV compaction",
+                                           "total"]) + " |", "|---" * 6 + "|",
+                  "| host | " + " | ".join(f"{ov[k] * 1e3:.3f}" for k in host) + " |",
+                  "| device | " + " | ".join(f"{ov[k] * 1e3:.3f}" for k in dev) + " |", "",
+                  f"argmax over [{ov['n']}, {ov['vocab']}] alone: {ov['argmax'] * 1e3:.3f} ms (in both acceptances); "
+                  f"TreeAttention.from_tree + visible: {ov['mask_device'] * 1e3:.3f} ms.",
+                  f"Acceptance without the big argmax (same tree and path, {ov['n']}-token vocabulary stand-in): "
+                  f"host {ov['walk_host'] * 1e3:.3f} ms, device {ov['walk_device'] * 1e3:.3f} ms.", ""]
     lines.append(f"Total wall time {report['elapsed_s']:.1f} s. Random weights: latencies only, no speedups.")
     return "\n".join(lines) + "\n"
 
