@@ -28,7 +28,7 @@ from controller.metrics import TABLE_S, controller_metrics
 from controller.policy import AdaptivePolicy, PolicySettings, default_settings
 from controller.profiler import OnlineProfiler, RunningMean
 from controller.surrogate import SurrogateCalibrator
-from drafting.base import Marginals
+from drafting.base import Proposal
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class BudgetController:
     model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
     calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
     registry (default controller.metrics.REGISTRY). surrogate_correction: apply the per-depth
-    scale to marginals in `correct` (off by default). max_depth: drafter depth (block size - 1).
+    scale to proposals in `correct` (off by default). max_depth: drafter depth (block size - 1).
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: a SpeculationGate (default one). table_every: steps between updates
@@ -134,9 +134,9 @@ class BudgetController:
         """False when drafting currently costs more than it buys: decode this step plainly."""
         return self.gate.should_draft()
 
-    def correct(self, marginals: Marginals) -> Marginals:
-        """Surrogate correction of the drafter's marginals (identity unless enabled)."""
-        return self.surrogate.correct(marginals)
+    def correct(self, proposal: Proposal) -> Proposal:
+        """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity unless enabled)."""
+        return self.surrogate.correct(proposal)
 
     def ar_step_seconds(self, context_len: int) -> float:
         """Expected seconds of one plain decoding step at context_len: C(1, c) plus measured AR overhead."""

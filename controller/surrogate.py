@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from drafting.base import Marginals
+from drafting.base import CandidateTree, Marginals, Proposal
 
 
 def depth_mass(depths: torch.Tensor, log_scores: torch.Tensor, max_depth: int) -> np.ndarray:
@@ -24,6 +24,15 @@ def depth_mass(depths: torch.Tensor, log_scores: torch.Tensor, max_depth: int) -
     rho = np.exp(log_scores.double().numpy())
     keep = (d >= 1) & (d <= max_depth)
     return np.bincount(d[keep] - 1, weights=rho[keep], minlength=max_depth)[:max_depth]
+
+
+def candidate_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[M] int64 depth (1 = child of the root) of each CandidateTree node; parents precede children."""
+    par = parents.tolist()
+    depth = [0] * len(par)
+    for i, p in enumerate(par):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    return torch.tensor(depth, dtype=torch.long)
 
 
 class SurrogateCalibrator:
@@ -81,21 +90,29 @@ class SurrogateCalibrator:
         prev = np.concatenate([[1.0], cum[:-1]])
         return np.clip(cum / prev, self.min_factor, self.max_factor)
 
-    def correct(self, marginals: Marginals) -> Marginals:
-        """Marginals with row d scaled by g_d (log-probs shifted, capped at 0); the input if disabled.
+    def correct(self, proposal: Proposal) -> Proposal:
+        """The proposal with depth-d scores scaled by g_d; the input itself when disabled.
 
-        A per-row shift keeps each row sorted, so best-first order within a depth is unchanged.
+        Marginals: row d's log-probs shifted by log g_d (capped at 0); a per-row shift keeps
+        each row sorted, so best-first order within a depth is unchanged. CandidateTree: each
+        node's conditional log-score shifted by log g of its depth, which scales its path
+        score by the cumulative G_d exactly as for marginals.
         """
-        if not self.enabled or not isinstance(marginals, Marginals):
-            # Candidate trees carry conditional scores: the per-depth scale does not apply.
+        if not self.enabled:
             self._applied = np.ones(self.max_depth)
-            return marginals
+            return proposal
         g = self.depth_factors()
-        rows = min(marginals.depth, self.max_depth)
-        shift = torch.zeros(marginals.depth, 1, dtype=marginals.logprobs.dtype)
-        shift[:rows, 0] = torch.from_numpy(np.log(g[:rows])).to(marginals.logprobs.dtype)
+        log_g = torch.from_numpy(np.log(g))
         self._applied = np.cumprod(g)
-        return Marginals(marginals.token_ids, torch.clamp(marginals.logprobs + shift, max=0.0))
+        if isinstance(proposal, CandidateTree):
+            depth = candidate_depths(proposal.parents)
+            rows = (depth - 1).clamp(max=self.max_depth - 1)
+            shift = log_g.to(proposal.logprobs.dtype)[rows]
+            return CandidateTree(proposal.tokens, proposal.parents, torch.clamp(proposal.logprobs + shift, max=0.0))
+        rows = min(proposal.depth, self.max_depth)
+        shift = torch.zeros(proposal.depth, 1, dtype=proposal.logprobs.dtype)
+        shift[:rows, 0] = log_g[:rows].to(proposal.logprobs.dtype)
+        return Marginals(proposal.token_ids, torch.clamp(proposal.logprobs + shift, max=0.0))
 
     @property
     def mean_predicted(self) -> float:

@@ -45,20 +45,19 @@ def test_gate_turns_off_for_useless_drafter_backs_off_and_recovers():
     ctl = make_controller()
     c = 300
     assert ctl.should_draft()
-    for _ in range(3):  # probe: accepted length 1, so each step costs more than an AR step
+    for _ in range(2):  # first probe: accepted length 1, so each step costs more than an AR step
         assert ctl.should_draft()
         spec_step(ctl, c, accepted=1)
     assert not ctl.should_draft()
     waits = []
-    for _round in range(3):  # every failed probe doubles the pause: 4, 8, 16 plain steps
+    for _round in range(3):  # every failed one-step probe doubles the pause: 8, 16, 32 plain steps
         k = 0
         while not ctl.should_draft():
             plain_step(ctl, c)
             k += 1
         waits.append(k)
-        for _ in range(3):
-            spec_step(ctl, c, accepted=1)
-    assert waits == [4, 8, 16]
+        spec_step(ctl, c, accepted=1)
+    assert waits == [8, 16, 32]
     assert not ctl.should_draft()
     while not ctl.should_draft():
         plain_step(ctl, c)
@@ -216,3 +215,49 @@ def test_depth_mass_sums_rho_per_depth():
     mass = depth_mass(tree.depths, tree.log_scores, 3)
     assert mass.tolist() == pytest.approx([1.0, 1.0, 1.0])  # all 4 tokens per depth, full tree: sums to 1
     assert 1 + mass.sum() == pytest.approx(tree.a_hat)
+
+
+def test_surrogate_correction_scales_candidate_tree_paths_like_marginals():
+    """A CandidateTree (conditional scores) is corrected per depth: path score at depth d gets the
+    cumulative factor G_d, the same as marginals do; the tree shape and tokens are unchanged."""
+    from drafting.base import CandidateTree
+    from controller.surrogate import candidate_depths
+
+    depth = 3
+    sur = SurrogateCalibrator(max_depth=depth, decay=1.0, enabled=True)
+    sur.pred_depth[:] = [0.8, 0.64, 0.512]
+    sur.real_depth[:] = [0.4, 0.16, 0.064]
+    sur.weight = 1.0
+    sur.prior = 0.0  # no shrinkage: factors are exactly 0.5 per depth
+    assert sur.depth_factors() == pytest.approx([0.5, 0.5, 0.5])
+    # root -> a (0.8) -> b (0.9) -> c (0.5); root -> d (0.1)
+    cand = CandidateTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 1, -1]),
+                         torch.log(torch.tensor([0.8, 0.9, 0.5, 0.1])))
+    assert candidate_depths(cand.parents).tolist() == [1, 2, 3, 1]
+    out = sur.correct(cand)
+    assert out.tokens.tolist() == [5, 6, 7, 8] and out.parents.tolist() == [-1, 0, 1, -1]
+    assert out.logprobs.exp().tolist() == pytest.approx([0.4, 0.45, 0.25, 0.05])
+    full = build_tree(0, out, _All(10), depth)
+    path = sorted(float(x) for x in full.log_scores.exp())
+    assert path == pytest.approx(sorted([1.0, 0.4, 0.4 * 0.45, 0.4 * 0.45 * 0.25, 0.05]))
+    sur.enabled = False
+    assert sur.correct(cand) is cand
+
+
+def test_gate_first_probe_then_one_step_reprobes():
+    g = SpeculationGate(probe_steps=2, reprobe_steps=1, base_backoff=3, max_backoff=100)
+    g.record(True, 0.5)
+    assert g.should_draft()  # still inside the 2-step first probe
+    g.record(True, 0.5)
+    assert not g.should_draft() and g.wait == 3
+    for _ in range(3):
+        g.record(False)
+    assert g.should_draft()
+    g.record(True, 0.5)  # one losing re-probe step ends it
+    assert not g.should_draft() and g.wait == 6
+    for _ in range(6):
+        g.record(False)
+    g.record(True, 3.0)  # a winning re-probe commits and resets the backoff
+    assert g.should_draft() and g.committed and g.backoff == 3
+    with pytest.raises(ValueError):
+        SpeculationGate(reprobe_steps=0)
