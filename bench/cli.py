@@ -112,8 +112,9 @@ def run(args) -> int:
 
     calibration = {}
 
-    def bastion_controller():
-        ctl = build_budget_controller(target, drafter, settings_from_args(args), progress=True)
+    def bastion_controller(surrogate_correction: bool = False):
+        ctl = build_budget_controller(target, drafter, settings_from_args(args), progress=True,
+                                      surrogate_correction=surrogate_correction)
         cal = getattr(ctl, "calibration", None)
         if cal is not None:
             calibration.update(cal.to_json(), from_cache=cal.from_cache)

@@ -111,11 +111,13 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
     return Engine(target, drafter, make_controller(mode, settings.budget, drafter.max_depth + 1))
 
 
-def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True):
+def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True,
+                            **kwargs):
     """Calibrate (or load the cached calibration) and build the adaptive controller for `target`.
 
     The latency grid is timed through the engine's own verification path (tree mask,
-    hidden-state outputs), so the fit describes what each step really runs.
+    hidden-state outputs), so the fit describes what each step really runs. kwargs go to
+    the BudgetController constructor (e.g. surrogate_correction=True).
     """
     from controller.runtime import EngineController
     from engine.timing import verify_timer
@@ -124,7 +126,7 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
         target.config, target.dtype, verify_timer(target.model, drafter.feature_layers),
         device=settings.device, model_name=target.name,
         attn_backend=installed_backend(target.model) or "sdpa",
-        max_context=target.max_context, progress=progress, max_depth=drafter.max_depth,
+        max_context=target.max_context, progress=progress, max_depth=drafter.max_depth, **kwargs,
     )
 
 
