@@ -80,7 +80,8 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
     Positions are prefix_len + depth; the mask lets node i see the prefix, itself and
     its ancestors (SPEC section 4). A single node needs no mask (plain causal step).
     device_tree: `tree` already loaded on the model's device (engine.tree_buffers); when None
-    it is loaded into a per-device pool shared by such callers. The mask is built on the device from it, without a sync.
+    it is loaded into a per-device pool shared by such callers. The mask is built on the
+    device from it, without a host sync.
     """
     dt = device_tree if device_tree is not None else _fallback_pool(model.device).load(tree, prefix_len)
     mask, extra = None, {}
