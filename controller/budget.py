@@ -143,12 +143,15 @@ class BudgetController:
         return self.verify_costs(context_len)[1] + self._ar_overhead.value
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
-                    accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None) -> None:
+                    accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
+                    cheap: bool = False) -> None:
         """Feed one finished step to the profiler, the AR gate, the surrogate check and the metrics.
 
         s: tokens verified (tree size, root included; 1 for a plain step); c: cached tokens
         before the step; verify_s / draft_s / other_s: seconds; a_hat: the tree's surrogate;
         accepted: tokens committed, bonus included; drafted: False for a plain step;
+        cheap: a plain step (drafted False) that verified the drafter's free proposal
+        (`Drafter.propose_cheap`): the gate treats it as plain, the surrogate check records it;
         depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability.
         Never blocks: a refit, when due, runs in a background thread.
         """
@@ -160,11 +163,14 @@ class BudgetController:
             self.gate.record(True, accepted * self.ar_step_seconds(c) / step_s)
             self.surrogate.record(a_hat, accepted, depth_mass)
         else:
-            self._ar_overhead.add(verify_s + other_s - costs[1])
+            if s == 1:
+                self._ar_overhead.add(verify_s + other_s - costs[1])
+            if cheap:
+                self.surrogate.record(a_hat, accepted, depth_mass)
             self.gate.record(False)
         self.steps += 1
         m = self.metrics
-        m.steps.labels(mode="draft" if drafted else "plain").inc()
+        m.steps.labels(mode="draft" if drafted else "cheap" if cheap else "plain").inc()
         m.tree_size.observe(s)
         m.accepted.observe(accepted)
         m.verify_measured.observe(verify_s)
@@ -179,7 +185,7 @@ class BudgetController:
             self.update_table(c)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s n=%d c=%d A_hat=%.3f accepted=%d verify predicted=%.3f ms measured=%.3f ms "
-                      "draft=%.3f ms other=%.3f ms", self.steps, "draft" if drafted else "plain", s, c, a_hat,
+                      "draft=%.3f ms other=%.3f ms", self.steps, "draft" if drafted else "cheap" if cheap else "plain", s, c, a_hat,
                       accepted, predicted * 1e3, verify_s * 1e3, draft_s * 1e3, other_s * 1e3)
 
     def update_table(self, context_len: int) -> None:

@@ -50,7 +50,7 @@ class ControllerMetrics:
                                       buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0), registry=r)
         self.refits = Counter("bastion_latency_model_refits", "Background refits of the latency model", registry=r)
         self.drafting = Gauge("bastion_drafting_enabled", "1 when the controller lets the next step draft", registry=r)
-        self.steps = Counter("bastion_steps", "Decoding steps by mode", ["mode"], registry=r)
+        self.steps = Counter("bastion_steps", "Decoding steps by kind: draft (full drafter), cheap (its free part only), plain", ["mode"], registry=r)
 
     def set_params(self, params: LatencyParams) -> None:
         for name, value in zip(PARAM_NAMES, params.as_tuple()):

@@ -14,6 +14,8 @@ class EngineController(BudgetController):
 
     def observe(self, stats, tree) -> None:
         """stats: engine StepStats; tree: the verified Tree (depths, log_scores)."""
-        mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if stats.drafted else None
+        cheap = getattr(stats, "cheap", False)
+        proposed = stats.drafted or cheap
+        mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
-                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass)
+                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=cheap)

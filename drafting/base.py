@@ -96,6 +96,16 @@ class Drafter(ABC):
         """
         return None
 
+    def propose_cheap(self, state: Any, root: int, max_depth: int) -> Proposal | None:
+        """A proposal that costs next to nothing, for steps where the controller has turned
+        the full drafter off because it does not pay (default: None, nothing to offer).
+
+        A drafter made of a costly and a nearly free part (e.g. DFlash + a suffix index)
+        returns the free part's proposal here, or None when it has nothing. It must leave
+        the state consistent for the next `propose`.
+        """
+        return None
+
     @abstractmethod
     def propose(self, state: Any, root: int, max_depth: int) -> Proposal:
         """Propose continuations of `root` (committed, not yet in the target cache).

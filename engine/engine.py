@@ -32,6 +32,8 @@ class StepStats:
     (bonus included, after stop truncation); context_len: cached tokens before the step;
     a_hat: the tree's acceptance surrogate; drafted: whether the drafter ran.
     accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
+    cheap: the tree came from the drafter's nearly free part (`Drafter.propose_cheap`)
+    on a step where the controller had turned the full drafter off.
     """
 
     tree_size: int
@@ -43,6 +45,7 @@ class StepStats:
     draft_s: float
     verify_s: float
     other_s: float
+    cheap: bool = False
 
 
 @dataclass
@@ -119,7 +122,7 @@ class StepController(Protocol):
         ...
 
     def should_draft(self) -> bool:
-        """False: skip the drafter this step and decode one token plainly."""
+        """False: skip the full drafter this step (its free part, `Drafter.propose_cheap`, may still propose)."""
         ...
 
     def correct(self, proposal: Proposal) -> Proposal:
@@ -260,9 +263,15 @@ class Engine:
         policy = ctl.policy_for_step(seq.prefix_len)
         proposal = None
         max_depth = 0
-        if drafter is not None and policy.max_nodes > 1 and remaining > 1 and ctl.should_draft():
-            max_depth = min(drafter.max_depth, remaining - 1)
-            proposal = ctl.correct(drafter.propose(seq.drafter_state, seq.root, max_depth))
+        drafted = False
+        if drafter is not None and policy.max_nodes > 1 and remaining > 1:
+            depth = min(drafter.max_depth, remaining - 1)
+            if ctl.should_draft():
+                proposal, drafted = drafter.propose(seq.drafter_state, seq.root, depth), True
+            else:  # the full drafter does not pay now; its free part (if any) still may
+                proposal = drafter.propose_cheap(seq.drafter_state, seq.root, depth)
+            if proposal is not None:
+                proposal, max_depth = ctl.correct(proposal), depth
         t1 = time.perf_counter()
         tree = build_tree(seq.root, proposal, policy, max_depth)
         t2 = time.perf_counter()
@@ -291,10 +300,11 @@ class Engine:
             accepted_depth=len(path) - 1,
             context_len=context_len,
             a_hat=tree.a_hat,
-            drafted=proposal is not None,
+            drafted=drafted,
             draft_s=t1 - t0,
             verify_s=t3 - t2,
             other_s=(t2 - t1) + (t4 - t3),
+            cheap=proposal is not None and not drafted,
         )
         seq.steps.append(stats)
         ctl.observe(stats, tree)

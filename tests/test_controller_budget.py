@@ -261,3 +261,21 @@ def test_gate_first_probe_then_one_step_reprobes():
     assert g.should_draft() and g.committed and g.backoff == 3
     with pytest.raises(ValueError):
         SpeculationGate(reprobe_steps=0)
+
+
+def test_cheap_steps_are_plain_for_the_gate_but_feed_the_surrogate():
+    """A gate-off step that verified the drafter's free proposal: the pause still counts down,
+    the AR-overhead estimate (an n = 1 quantity) is untouched, the surrogate check records it."""
+    reg = CollectorRegistry()
+    ctl = make_controller(reg)
+    c = 300
+    plain_step(ctl, c)
+    overhead = ctl._ar_overhead.value
+    ctl.gate.wait = 5
+    ctl.record_step(6, c, ctl.model.predict(6, c), 1e-4, 5e-4, 2.0, 3, drafted=False, cheap=True,
+                    depth_mass=np.array([0.8, 0.2] + [0.0] * 13))
+    assert ctl.gate.wait == 4 and not ctl.should_draft()
+    assert ctl._ar_overhead.value == overhead
+    assert ctl.surrogate.steps == 1 and ctl.surrogate.real_depth[:3].tolist() == [1.0, 1.0, 0.0]
+    assert reg.get_sample_value("bastion_steps_total", {"mode": "cheap"}) == 1
+    assert reg.get_sample_value("bastion_steps_total", {"mode": "plain"}) == 1

@@ -274,3 +274,27 @@ def test_factory_specs_resolve_to_the_hybrid(target_f32, random_drafter, tmp_pat
     assert isinstance(h, HybridDrafter) and h.merge == DEFAULT_MERGE
     assert h.feature_layers == random_drafter.feature_layers
     assert h.max_depth == max(random_drafter.max_depth, h.suffix.max_depth)
+
+
+def test_propose_cheap_is_the_suffix_tree_alone_and_keeps_dflash_state():
+    """With the full drafter gated off, the hybrid still offers the suffix tree (never running
+    DFlash); DFlash's queued context features reach its next real proposal."""
+    rng = random.Random(3)
+    dfl = FixedMarginals(random_marginals(4, 3, 50, rng))
+    hyb = HybridDrafter(dfl, SuffixDrafter(max_depth=4))
+    st = hyb.new_state()
+    ctx = [7, 8, 9, 10, 11, 7, 8]
+    hyb.extend(st, ctx, torch.zeros(len(ctx), 3))
+    assert hyb.propose_cheap(st, 42, 4) is None  # 42 never occurred: nothing to offer
+    cheap = hyb.propose_cheap(st, 9, 4)  # ... 9 10 11 7 8 seen before: the suffix continues it
+    assert isinstance(cheap, CandidateTree) and dfl.calls == []
+    assert cheap.tokens.tolist()[:1] == [10]
+    ref = SuffixDrafter(max_depth=4)
+    rs = ref.new_state()
+    ref.extend(rs, ctx, None)
+    want = ref.propose(rs, 9, 4)
+    assert cheap.tokens.tolist() == want.tokens.tolist() and cheap.parents.tolist() == want.parents.tolist()
+    hyb.extend(st, [9], torch.zeros(1, 3))
+    hyb.propose(st, 10, 4)
+    assert dfl.calls == [(10, 4)] and st.dflash["features"] == len(ctx) + 1
+    assert Drafter.propose_cheap(dfl, st.dflash, 1, 4) is None  # the base default

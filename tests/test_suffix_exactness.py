@@ -111,3 +111,46 @@ def test_engine_finish_passes_the_whole_output(target_f32, random_drafter, refer
     for drafter, suffix in _drafters(random_drafter):
         out, stored = _finished_output(target_f32, drafter, suffix, ids)
         assert stored == out
+
+
+class _GateOff:
+    """A controller whose gate keeps the full drafter off: only free proposals are verified."""
+
+    def __init__(self, budget):
+        self.fixed = make_controller("tree", budget)
+
+    def policy_for_step(self, c):
+        return self.fixed.policy
+
+    def should_draft(self):
+        return False
+
+    def correct(self, proposal):
+        return proposal
+
+    def observe(self, stats, tree):
+        pass
+
+
+def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, random_drafter, references):
+    """With the full drafter gated off, the hybrid's suffix tree alone (propose_cheap) is verified:
+    DFlash never runs, repetition still gets accepted, the output equals AR."""
+    calls = []
+
+    class Counting(HybridDrafter):
+        def propose(self, *a, **kw):
+            calls.append(1)
+            return super().propose(*a, **kw)
+
+    h = Counting(random_drafter, SuffixDrafter())
+    eng = Engine(target_f32, h, _GateOff(16))
+    cheap_accepted = []
+    for ids, ref in references:
+        r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert r.token_ids == ref
+        for s in r.steps:
+            assert not s.drafted and s.cheap == (s.tree_size > 1)
+            if s.cheap:
+                cheap_accepted.append(s.accepted)
+    assert calls == []
+    assert cheap_accepted and max(cheap_accepted) > 2
