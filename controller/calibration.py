@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -26,12 +27,12 @@ from tqdm.auto import tqdm
 
 from controller.ceilings import Ceilings, datasheet_ceilings, device_name, measure_ceilings
 from controller.cost_model import ModelShape
-from controller.latency_model import LatencyModel, LatencyParams, fit_params, mape
+from controller.latency_model import LatencyModel, LatencyParams, fit_model, mape
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the cached JSON layout or the fitting method changes.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the per-s residual of the latency model
 
 MeasureFn = Callable[[int, int], float]
 
@@ -81,6 +82,8 @@ class CalibrationResult:
     points: [(s, c, median seconds)] measured; heldout: indices into points left out of the
     held-out fit. heldout_mape: error (fraction) of the fit without them, on them;
     fit_mape: error of the final fit (all points) on all points. elapsed_s: wall seconds.
+    residual: the latency model's per-s residual ((s, log r), ...), see controller.latency_model.
+    heldout_mape_roofline: held-out error of the four-parameter roofline alone (no residual).
     """
 
     key: dict
@@ -92,18 +95,21 @@ class CalibrationResult:
     heldout_mape: float
     fit_mape: float
     elapsed_s: float = 0.0
+    residual: tuple = ()
+    heldout_mape_roofline: float = float("nan")
     from_cache: bool = field(default=False, compare=False)
 
     def model(self) -> LatencyModel:
-        """The calibrated LatencyModel."""
-        return LatencyModel(self.shape, self.ceilings, self.params)
+        """The calibrated LatencyModel (roofline times the per-s residual)."""
+        return LatencyModel(self.shape, self.ceilings, self.params, self.residual)
 
     def to_json(self) -> dict:
         return {
             "key": self.key, "shape": self.shape.to_dict(), "ceilings": self.ceilings.to_dict(),
             "params": self.params.to_dict(), "points": [list(p) for p in self.points],
             "heldout": self.heldout, "heldout_mape": self.heldout_mape, "fit_mape": self.fit_mape,
-            "elapsed_s": self.elapsed_s,
+            "elapsed_s": self.elapsed_s, "residual": [list(r) for r in self.residual],
+            "heldout_mape_roofline": self.heldout_mape_roofline,
         }
 
     @classmethod
@@ -114,7 +120,9 @@ class CalibrationResult:
             params=LatencyParams.from_dict(d["params"]),
             points=[(int(s), int(c), float(t)) for s, c, t in d["points"]],
             heldout=[int(i) for i in d["heldout"]], heldout_mape=float(d["heldout_mape"]),
-            fit_mape=float(d["fit_mape"]), elapsed_s=float(d.get("elapsed_s", 0.0)), from_cache=True,
+            fit_mape=float(d["fit_mape"]), elapsed_s=float(d.get("elapsed_s", 0.0)),
+            residual=tuple((float(k), float(v)) for k, v in d.get("residual", [])),
+            heldout_mape_roofline=float(d.get("heldout_mape_roofline", float("nan"))), from_cache=True,
         )
 
 
@@ -223,17 +231,18 @@ def fit_result(key: dict, shape: ModelShape, ceilings: Ceilings, points: list[tu
     arr = np.asarray(points, dtype=np.float64)
     s, c, t = arr[:, 0], arr[:, 1], arr[:, 2]
     held = heldout_indices(len(points))
+    roof_err = float("nan")
     if held:
         train = np.setdiff1d(np.arange(len(points)), held)
-        p_train = fit_params(shape, ceilings, s[train], c[train], t[train])
-        pred = LatencyModel(shape, ceilings, p_train).predict(s[held], c[held])
-        heldout_err = mape(t[held], pred)
+        m_train = fit_model(shape, ceilings, s[train], c[train], t[train])
+        heldout_err = mape(t[held], m_train.predict(s[held], c[held]))
+        roof_err = mape(t[held], m_train.roofline().predict(s[held], c[held]))
     else:
         heldout_err = float("nan")
-    params = fit_params(shape, ceilings, s, c, t)
-    fit_err = mape(t, LatencyModel(shape, ceilings, params).predict(s, c))
-    return CalibrationResult(key, shape, ceilings, params, [tuple(p) for p in points], held,
-                             heldout_err, fit_err, elapsed_s)
+    model = fit_model(shape, ceilings, s, c, t)
+    fit_err = mape(t, model.predict(s, c))
+    return CalibrationResult(key, shape, ceilings, model.params, [tuple(p) for p in points], held,
+                             heldout_err, fit_err, elapsed_s, model.residual, roof_err)
 
 
 def remeasure_outliers(measure_fn: MeasureFn, shape: ModelShape, ceilings: Ceilings,
@@ -246,8 +255,7 @@ def remeasure_outliers(measure_fn: MeasureFn, shape: ModelShape, ceilings: Ceili
     Returns (points, number re-measured).
     """
     arr = np.asarray(points, dtype=np.float64)
-    params = fit_params(shape, ceilings, arr[:, 0], arr[:, 1], arr[:, 2])
-    pred = LatencyModel(shape, ceilings, params).predict(arr[:, 0], arr[:, 1])
+    pred = fit_model(shape, ceilings, arr[:, 0], arr[:, 1], arr[:, 2]).predict(arr[:, 0], arr[:, 1])
     bad = [i for i in range(len(points)) if abs(pred[i] - arr[i, 2]) / arr[i, 2] > OUTLIER_REL_ERROR]
     if not bad:
         return points, 0
@@ -335,7 +343,10 @@ def report(result: CalibrationResult, png_path: Path | str | None = None, file: 
     p = result.params
     lines.append(f"fit: alpha_c={p.alpha_c:.4g} beta_c={p.beta_c * 1e3:.3f} ms alpha_m={p.alpha_m:.4g} "
                  f"beta_m={p.beta_m * 1e3:.3f} ms")
-    lines.append(f"MAPE held-out ({len(result.heldout)} pts, '*'): {100 * result.heldout_mape:.2f} %   "
+    if result.residual:
+        lines.append("residual r(s): " + "  ".join(f"{k:g}:{math.exp(v):.3f}" for k, v in result.residual))
+    lines.append(f"MAPE held-out ({len(result.heldout)} pts, '*'): {100 * result.heldout_mape:.2f} % "
+                 f"(roofline alone: {100 * result.heldout_mape_roofline:.2f} %)   "
                  f"all points (final fit): {100 * result.fit_mape:.2f} %" + ("   [cached]" if result.from_cache else ""))
     lines.append(f"{'s':>6} {'c':>6} {'measured ms':>12} {'predicted ms':>13} {'error %':>8}  bound")
     held = set(result.heldout)

@@ -4,6 +4,14 @@ C(s, c) = max(alpha_c * FLOPs(s, c) / P + beta_c, alpha_m * Bytes(s, c) / BW + b
 
 FLOPs and Bytes come from `ModelShape`; P and BW from `Ceilings`; the four alpha/beta are
 fitted to measured target forwards with scipy.optimize.curve_fit.
+
+Optional per-s residual (our extension, not in the paper): C'(s, c) = C(s, c) * r(s), with
+log r interpolated linearly in log2 s between knots (the calibration grid's s values) and
+held constant outside them. It absorbs what two lines cannot: on a 2-core Xeon, MKL's fp32
+GEMM costs the same for 1 to 3 rows and then jumps (4 rows of a 576x1536 matmul cost 2x one
+row), so a forward of s = 1 or 2 tokens is ~35 % below the best max-of-two-lines fit while
+s >= 8 follows it (docs/controller.md). The residual is fitted after the four parameters,
+as the median log ratio measured / C of the points nearest each knot.
 """
 from __future__ import annotations
 
@@ -50,12 +58,36 @@ def _roofline(x, alpha_c, beta_c, alpha_m, beta_m):
 
 
 class LatencyModel:
-    """Predicted latency (seconds) of one target forward with s new tokens over c cached tokens."""
+    """Predicted latency (seconds) of one target forward with s new tokens over c cached tokens.
 
-    def __init__(self, shape: ModelShape, ceilings: Ceilings, params: LatencyParams):
+    residual: optional ((s_knot, log r), ...) sorted by s_knot (see the module docstring);
+    empty means the plain roofline.
+    """
+
+    def __init__(self, shape: ModelShape, ceilings: Ceilings, params: LatencyParams,
+                 residual: tuple[tuple[float, float], ...] = ()):
         self.shape = shape
         self.ceilings = ceilings
         self.params = params
+        self.residual = tuple((float(k), float(v)) for k, v in residual)
+        self._knots = np.log2([k for k, _ in self.residual]) if self.residual else None
+        self._logr = np.array([v for _, v in self.residual]) if self.residual else None
+
+    @property
+    def knots(self) -> tuple[float, ...]:
+        """s values of the residual's knots (empty: plain roofline)."""
+        return tuple(k for k, _ in self.residual)
+
+    def roofline(self) -> "LatencyModel":
+        """The same model without the residual."""
+        return LatencyModel(self.shape, self.ceilings, self.params)
+
+    def residual_factor(self, s) -> np.ndarray:
+        """[N] r(s) multipliers (all 1 without a residual)."""
+        s = np.atleast_1d(np.asarray(s, dtype=np.float64))
+        if self._knots is None:
+            return np.ones_like(s)
+        return np.exp(np.interp(np.log2(np.maximum(s, 1.0)), self._knots, self._logr))
 
     def features(self, s, c) -> np.ndarray:
         """[2, N] roofline times in seconds: (FLOPs/P, Bytes/BW) for arrays s, c of N points."""
@@ -68,6 +100,8 @@ class LatencyModel:
         """C(s, c) in seconds; s, c ints (returns float) or arrays (returns [N] array)."""
         scalar = np.ndim(s) == 0 and np.ndim(c) == 0
         out = _roofline(self.features(s, c), *self.params.as_tuple())
+        if self._knots is not None:
+            out = out * self.residual_factor(np.broadcast_to(np.asarray(s, dtype=np.float64), out.shape))
         return float(out[0]) if scalar else out
 
     def verify_costs(self, max_n: int, c: int) -> list[float]:
@@ -157,3 +191,49 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
     if best is None:
         raise ValueError("latency fit did not converge from any start")
     return LatencyParams(*(float(v) for v in best))
+
+
+def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float, float], ...]:
+    """Per-knot median log(measured / C) of the points nearest each knot in log2 s.
+
+    model: the fitted roofline (its own residual is ignored); s, c, seconds: [N] points;
+    knots: s values. Knots without a point are dropped. Returns ((s_knot, log r), ...).
+    """
+    s = np.asarray(s, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    base = model.roofline().predict(s, np.asarray(c, dtype=np.float64))
+    logr = np.log(y / base)
+    kn = np.array(sorted(set(float(k) for k in knots)))
+    if kn.size == 0:
+        return ()
+    nearest = np.abs(np.log2(s)[:, None] - np.log2(kn)[None, :]).argmin(axis=1)
+    out = []
+    for j, k in enumerate(kn):
+        sel = nearest == j
+        if sel.any():
+            out.append((float(k), float(np.median(logr[sel]))))
+    return tuple(out)
+
+
+def fit_model(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds, sigma_scale=None,
+              knots=None, rounds: int = 3) -> LatencyModel:
+    """`fit_params`, then the per-s residual at `knots` (None: the distinct s of the points;
+    empty: none, the plain roofline). With a residual, the two are fitted alternately
+    (`rounds` times): the four parameters to the timings divided by r(s), then r(s) to what
+    the roofline leaves, so a per-s quirk does not bend the lines. Raises ValueError like
+    `fit_params`.
+    """
+    y = np.asarray(seconds, dtype=np.float64)
+    s = np.asarray(s, dtype=np.float64)
+    params = fit_params(model_shape, ceilings, s, c, y, sigma_scale=sigma_scale)
+    model = LatencyModel(model_shape, ceilings, params)
+    if knots is None:
+        knots = sorted(set(s.tolist()))
+    if len(knots) == 0:
+        return model
+    for i in range(rounds):
+        model = LatencyModel(model_shape, ceilings, params, fit_residual(model, s, c, y, knots))
+        if i + 1 < rounds:
+            params = fit_params(model_shape, ceilings, s, c, y / model.residual_factor(s), sigma_scale=sigma_scale)
+            model = LatencyModel(model_shape, ceilings, params, model.residual)
+    return model

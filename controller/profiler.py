@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from controller.latency_model import LatencyModel, fit_params, mape
+from controller.latency_model import LatencyModel, fit_model, mape
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +119,13 @@ class OnlineProfiler:
         pts += [(s, c, t, 2.0) for s, c, t in self.calibration_points]
         arr = np.asarray(pts, dtype=np.float64)
         try:
-            params = fit_params(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3])
+            new = fit_model(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3],
+                            knots=old.knots)
         except ValueError as e:
             self.refit_failures += 1
             log.warning("online refit failed: %s", e)
             return
-        new = LatencyModel(old.shape, old.ceilings, params)
+        params = new.params
         window = recent[-self.window:]
         err_after = mape([r.verify_s for r in window], new.predict([r.s for r in window], [r.c for r in window]))
         self.model = new

@@ -83,14 +83,14 @@ def test_gate_backoff_is_capped_and_needs_gain():
 
 
 def test_background_refit_on_drift_never_blocks(monkeypatch):
-    real_fit = profiler_mod.fit_params
+    real_fit = profiler_mod.fit_model
     started = threading.Event()
 
     def slow_fit(*a, **kw):
         started.set()
         time.sleep(0.3)
         return real_fit(*a, **kw)
-    monkeypatch.setattr(profiler_mod, "fit_params", slow_fit)
+    monkeypatch.setattr(profiler_mod, "fit_model", slow_fit)
     reg = CollectorRegistry()
     ctl = make_controller(reg, refit_window=64, refit_threshold=0.15)
     old = ctl.model

@@ -223,3 +223,51 @@ def test_spent_budget_skips_warmups_or_points():
     calls.clear()
     out = cal.measure_grid(slow, pts, warmup=3, repeats=5, time_budget_s=0.05, progress=False, stop_when_spent=True)
     assert 1 <= len(out) < 8 and out == [(s, 64, 0.02) for s, _ in pts[:len(out)]]
+
+
+def _kernel_quirk(s):
+    """A CPU-like per-s factor two lines cannot express: 1-2 tokens cost 40 % less, 4 tokens 20 % less."""
+    s = np.asarray(s, dtype=np.float64)
+    return np.where(s <= 2, 0.6, np.where(s <= 4, 0.8, 1.0))
+
+
+def test_residual_absorbs_a_per_s_quirk_and_survives_the_cache(tmp_path):
+    """Timings = roofline x a per-s factor: the four-parameter fit alone misses the small-s points,
+    the fitted residual recovers the factor, held-out error drops, and the cache keeps it."""
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    rng = np.random.default_rng(3)
+
+    def measure(s, c):
+        return float(truth.predict(s, c) * _kernel_quirk(s) * (1 + 0.01 * rng.standard_normal()))
+
+    res = cal.calibrate(measure, CFG, torch.float32, GRID, model_name="tiny", ceilings=CEIL, cache_dir=tmp_path,
+                        warmup=0, repeats=1, time_budget_s=None, progress=False)
+    m = res.model()
+    assert m.knots == tuple(float(s) for s in GRID.s_values)
+    # the residual times the fitted roofline reproduces the truth at every grid point
+    pts = np.array(GRID.points())
+    want = truth.predict(pts[:, 0], pts[:, 1]) * _kernel_quirk(pts[:, 0])
+    assert mape(want, m.predict(pts[:, 0], pts[:, 1])) < 0.03
+    assert res.heldout_mape < 0.6 * res.heldout_mape_roofline
+    # between knots log r is interpolated in log2 s: s = 3 lies between s = 2 and s = 4
+    r = m.residual_factor([2, 3, 4])
+    lr = np.log(r)
+    assert r[0] < r[1] < r[2] and lr[1] == pytest.approx(lr[0] + (lr[2] - lr[0]) * np.log2(1.5), rel=1e-6)
+    again = cal.calibrate(measure, CFG, torch.float32, GRID, model_name="tiny", ceilings=CEIL, cache_dir=tmp_path,
+                          progress=False)
+    assert again.from_cache and again.residual == res.residual
+    assert again.model().predict(3, 512) == pytest.approx(m.predict(3, 512))
+    text = cal.report(again, file=open(tmp_path / "r.txt", "w"))
+    assert "residual r(s): 1:" in text and "roofline alone" in text
+
+
+def test_plain_roofline_has_no_residual_and_fit_model_can_skip_it():
+    from controller.latency_model import fit_model
+
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    assert truth.residual_factor([1, 7, 300]).tolist() == [1.0, 1.0, 1.0]
+    pts = np.array(GRID.points())
+    y = truth.predict(pts[:, 0], pts[:, 1])
+    assert fit_model(SHAPE, CEIL, pts[:, 0], pts[:, 1], y, knots=()).residual == ()
+    m = fit_model(SHAPE, CEIL, pts[:, 0], pts[:, 1], y)
+    assert np.allclose(m.residual_factor(GRID.s_values), 1.0, atol=0.02)
