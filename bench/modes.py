@@ -149,6 +149,11 @@ class EngineMode(Mode):
         super().__init__(name, target)
         self.engine = engine
 
+    def controller_snapshot(self) -> dict | None:
+        """The adaptive controller's `snapshot()` (None for the fixed modes)."""
+        snap = getattr(self.engine.controller, "snapshot", None)
+        return snap() if callable(snap) else None
+
     def _turn(self, prompt_ids: list[int], params: SamplingParams) -> _Turn:
         dev = self.target.model.device
         ids: list[int] = []

@@ -256,8 +256,17 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
             "version": FORMAT_VERSION, "status": status, "started": started,
             "updated": _dt.datetime.now().isoformat(timespec="seconds"),
             "settings": settings.to_json(), "environment": env, "skipped": skipped,
-            "summary": summary, "records": records,
+            "summary": summary, "records": records, "controllers": controllers(),
         }
+
+    def controllers() -> dict:
+        # Adaptive modes: their controller's state over this process's part of the run.
+        out = {}
+        for m in modes:
+            snap = getattr(m, "controller_snapshot", None)
+            if callable(snap) and (val := snap()) is not None:
+                out[m.name] = val
+        return out
 
     if pending and warmup and todo:
         _warm_up(modes, todo[0][2][:1], encode, settings)

@@ -63,6 +63,7 @@ class BudgetController:
         self._ar_overhead = RunningMean(0.1)
         self.table_every = table_every
         self.steps = 0
+        self.step_kinds = {"draft": 0, "cheap": 0, "plain": 0}
         self.calibration: CalibrationResult | None = None
         self._costs: list[float] = []
         self._costs_key: tuple[int, LatencyModel] | None = None
@@ -170,7 +171,9 @@ class BudgetController:
             self.gate.record(False)
         self.steps += 1
         m = self.metrics
-        m.steps.labels(mode="draft" if drafted else "cheap" if cheap else "plain").inc()
+        kind = "draft" if drafted else "cheap" if cheap else "plain"
+        self.step_kinds[kind] += 1
+        m.steps.labels(mode=kind).inc()
         m.tree_size.observe(s)
         m.accepted.observe(accepted)
         m.verify_measured.observe(verify_s)
@@ -185,8 +188,26 @@ class BudgetController:
             self.update_table(c)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s n=%d c=%d A_hat=%.3f accepted=%d verify predicted=%.3f ms measured=%.3f ms "
-                      "draft=%.3f ms other=%.3f ms", self.steps, "draft" if drafted else "cheap" if cheap else "plain", s, c, a_hat,
+                      "draft=%.3f ms other=%.3f ms", self.steps, kind, s, c, a_hat,
                       accepted, predicted * 1e3, verify_s * 1e3, draft_s * 1e3, other_s * 1e3)
+
+    def snapshot(self) -> dict:
+        """JSON-ready state for reports: steps by kind, gate pauses, running T_draft / T_other
+        (seconds), the latency model (parameters, residual, recent online MAPE) and the
+        surrogate check (mean A_hat vs realised accepted length, per-depth reliability)."""
+        model = self.model
+
+        def num(x: float) -> float | None:  # JSON has no NaN
+            return None if x != x else float(x)
+        sur = self.surrogate.snapshot()
+        sur.update(mean_predicted=num(sur["mean_predicted"]), mean_realised=num(sur["mean_realised"]))
+        return {
+            "steps": dict(self.step_kinds), "gate_pauses": self.gate.switches_off,
+            "t_draft_s": self.t_draft, "t_other_s": self.t_other,
+            "latency_params": model.params.to_dict(), "residual": [list(r) for r in model.residual],
+            "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
+            "surrogate": sur,
+        }
 
     def update_table(self, context_len: int) -> None:
         """Refresh the latency-table gauge at context_len and the online error gauge."""

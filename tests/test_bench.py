@@ -94,6 +94,13 @@ def test_results_json_has_every_field(tiny, tmp_path):
         assert r["matches_reference"] is True
     trees = {r["mode"]: r["mean_tree_size"] for r in recs}
     assert 1 < trees["tree-4"] <= 4 and 1 < trees["chain"] <= 16
+    # the adaptive mode's controller state: every measured step is counted once by kind
+    # (warm-up steps included, so at least the records' steps)
+    ctl = on_disk["controllers"]
+    assert list(ctl) == ["bastion"]
+    kinds = ctl["bastion"]["steps"]
+    assert sum(kinds.values()) >= sum(r["steps"] for r in recs if r["mode"] == "bastion") > 0
+    assert set(ctl["bastion"]["surrogate"]) >= {"mean_predicted", "mean_realised", "reliability"}
     assert ENV_KEYS <= set(on_disk["environment"])
     st = on_disk["settings"]
     assert st["modes"] == MODES and st["datasets"] == list(PROMPTS) and st["max_new_tokens"] == MAX_NEW
