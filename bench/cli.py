@@ -112,7 +112,7 @@ def run(args) -> int:
 
     calibration = {}
 
-    def bastion_controller(surrogate_correction: bool = False):
+    def bastion_controller(surrogate_correction: bool = True):
         ctl = build_budget_controller(target, drafter, settings_from_args(args), progress=True,
                                       surrogate_correction=surrogate_correction)
         cal = getattr(ctl, "calibration", None)

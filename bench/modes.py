@@ -8,8 +8,8 @@ tokens and the decode-only timings the report needs. Modes:
     ar        the engine, one node per step
     chain     the engine with the drafter's greedy chain (block size nodes)
     tree-N    the engine with best-first trees of N nodes (a fixed budget)
-    bastion   the engine with the adaptive budget controller
-    bastion-sc  the same with the online per-depth surrogate correction on
+    bastion   the engine with the adaptive budget controller, as served (surrogate correction on)
+    bastion-raw  the same trusting the drafter's raw scores (the paper's rule, correction off)
 
 `resolve_drafter` is the one place a drafter spec string becomes a drafter, so new
 kinds (suffix, dflash+suffix) plug in there or in engine.factory.load_drafter.
@@ -29,9 +29,9 @@ from engine.loader import Target
 from engine.sampling import SamplingParams
 
 #: Mode names in report order; "tree" in a --modes list expands to tree-N for every budget.
-BASE_MODES = ("ar-hf", "ar", "chain", "tree", "bastion", "bastion-sc", "pld")
+BASE_MODES = ("ar-hf", "ar", "chain", "tree", "bastion", "bastion-raw", "pld")
 #: Modes that need a drafter.
-SPECULATIVE = ("chain", "bastion", "bastion-sc")
+SPECULATIVE = ("chain", "bastion", "bastion-raw")
 #: Modes taken as the AR baseline of the speedup (the faster one wins).
 BASELINES = ("ar-hf", "ar")
 #: Candidate length of prompt-lookup decoding.
@@ -324,7 +324,7 @@ def build_modes(names: list[str], target: Target, drafter: Drafter | None,
     """Mode objects for `names` (already expanded); speculative names need `drafter`.
 
     bastion_controller(surrogate_correction=bool): builds the adaptive controller (calibration)
-    for 'bastion' (correction off, the default) and 'bastion-sc' (per-depth surrogate correction on).
+    for 'bastion' (per-depth surrogate correction on, as served) and 'bastion-raw' (off).
     Raises ValueError for a speculative mode without a drafter or 'bastion' without a factory.
     """
     modes: list[Mode] = []
@@ -340,10 +340,10 @@ def build_modes(names: list[str], target: Target, drafter: Drafter | None,
         elif name == "chain":
             modes.append(EngineMode(name, target, Engine(target, drafter, make_controller(
                 "chain", block_size=drafter.max_depth + 1))))
-        elif name in ("bastion", "bastion-sc"):
+        elif name in ("bastion", "bastion-raw"):
             if bastion_controller is None:
                 raise ValueError(f"mode '{name}' needs a controller factory")
-            ctl = bastion_controller(surrogate_correction=name == "bastion-sc")
+            ctl = bastion_controller(surrogate_correction=name == "bastion")
             modes.append(EngineMode(name, target, Engine(target, drafter, ctl)))
         else:
             budget = int(_TREE.match(name).group(1))

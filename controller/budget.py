@@ -39,7 +39,7 @@ class BudgetController:
     model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
     calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
     registry (default controller.metrics.REGISTRY). surrogate_correction: apply the per-depth
-    scale to proposals in `correct` (off by default). max_depth: drafter depth (block size - 1).
+    scale to proposals in `correct` (off by default here; engine.factory turns it on). max_depth: drafter depth (block size - 1).
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: a SpeculationGate (default one). table_every: steps between updates

@@ -117,8 +117,10 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
 
     The latency grid is timed through the engine's own verification path (tree mask,
     hidden-state outputs), so the fit describes what each step really runs. kwargs go to
-    the BudgetController constructor (e.g. surrogate_correction=True).
+    the BudgetController constructor; the online surrogate correction is on unless
+    surrogate_correction=False is passed (it raised tokens/s on every dataset, docs/controller.md).
     """
+    kwargs.setdefault("surrogate_correction", True)
     from controller.runtime import EngineController
     from engine.timing import verify_timer
 

@@ -45,7 +45,7 @@ def _bastion(tiny_drafter_pair):
     target, drafter = tiny_drafter_pair
     shape = ModelShape.from_config(target.config, target.dtype)
     model = LatencyModel(shape, Ceilings(50e9, 10e9, "synthetic"), LatencyParams(1.0, 1e-4, 1.0, 1e-4))
-    return lambda surrogate_correction=False: EngineController(
+    return lambda surrogate_correction=True: EngineController(
         model, PolicySettings(1, 16, 1, 16), registry=CollectorRegistry(), max_depth=drafter.max_depth,
         surrogate_correction=surrogate_correction)
 
