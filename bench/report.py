@@ -168,17 +168,18 @@ def plot(summary: list[dict], datasets: list[str], modes: list[str], path: Path 
     import matplotlib.pyplot as plt
 
     cell = {(s["dataset"], s["mode"]): s for s in summary}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 4.8))
     width = 0.8 / max(1, len(modes))
+    colors = plt.get_cmap("tab20").colors  # one distinct colour per mode up to 20 modes
     for i, m in enumerate(modes):
         xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(datasets))]
         ys = [(cell.get((d, m)) or {}).get("speedup") or 0.0 for d in datasets]
-        ax1.bar(xs, ys, width, label=m)
+        ax1.bar(xs, ys, width, label=m, color=colors[i % len(colors)])
     ax1.axhline(1.0, color="black", lw=0.8, ls="--")
     ax1.set_xticks(range(len(datasets)), datasets)
     ax1.set_ylabel("speedup over AR (decode TPOT)")
     ax1.set_title("Speedup per dataset")
-    ax1.legend(fontsize=8, ncols=2)
+    ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     markers = "osD^v<>phX*"
     for j, d in enumerate(datasets):
         pts = [(cell[(d, m)]["mean_tree_size"], cell[(d, m)]["tau"], m) for m in modes
