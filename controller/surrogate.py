@@ -112,6 +112,7 @@ class SurrogateCalibrator:
         rows = min(proposal.depth, self.max_depth)
         shift = torch.zeros(proposal.depth, 1, dtype=proposal.logprobs.dtype)
         shift[:rows, 0] = log_g[:rows].to(proposal.logprobs.dtype)
+        shift = shift.to(proposal.logprobs.device, non_blocking=True)  # marginals may stay on the drafter's device
         return Marginals(proposal.token_ids, torch.clamp(proposal.logprobs + shift, max=0.0))
 
     @property

@@ -285,7 +285,7 @@ class DFlashDrafter(Drafter):
     def propose(self, state: DFlashState, root: int, max_depth: int) -> Marginals:
         """One drafter pass: consume pending context, run the block, return top-K marginals.
 
-        Returns Marginals with token_ids/logprobs [min(max_depth, B-1), top_k].
+        Returns Marginals with token_ids/logprobs [min(max_depth, B-1), top_k] on the drafter's device.
         """
         m = self.model
         dev, dt = self.device, m.fc.weight.dtype
@@ -316,7 +316,8 @@ class DFlashDrafter(Drafter):
         vals, idx = torch.topk(lp, k, dim=-1)
         if m.d2t is not None:
             idx = m.d2t[idx]
-        return Marginals(token_ids=idx.cpu(), logprobs=vals.cpu())
+        # Left on the drafter's device: the tree builder moves both in one transfer (Marginals.to_host).
+        return Marginals(token_ids=idx, logprobs=vals)
 
 
 def read_spec(path: str | Path) -> DFlashSpec:

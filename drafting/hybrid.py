@@ -145,6 +145,7 @@ class HybridDrafter(Drafter):
             return marg
         if marg.depth == 0:
             return ct
+        marg = marg.to_host()  # the merges walk host lists; one transfer when DFlash runs on a GPU
         state.merged += 1
         if self.merge == "mix-depth":
             out = mix_depth(marg, ct, self.weight)
