@@ -59,6 +59,8 @@ GPU_GRID = CalibrationGrid((1, 16, 32, 64, 128, 256, 512), (64, 256, 512, 1024, 
 #: (the issue's bound is 60 s in all, ceilings included).
 CPU_TIME_BUDGET_S = 40.0
 CPU_REMEASURE_BUDGET_S = 10.0
+#: Held-out MAPE (fraction) above which a calibration is not cached: timings spoiled by other work.
+NOISY_MAPE = 0.5
 #: Relative residual beyond which a grid point is timed again (a busy machine spoils timings).
 OUTLIER_REL_ERROR = 0.25
 
@@ -240,6 +242,9 @@ def fit_result(key: dict, shape: ModelShape, ceilings: Ceilings, points: list[tu
     else:
         heldout_err = float("nan")
     model = fit_model(shape, ceilings, s, c, t)
+    if held and not heldout_err <= roof_err:
+        # The residual does not generalise (noisy timings): keep the plain roofline.
+        model, heldout_err = model.roofline(), roof_err
     fit_err = mape(t, model.predict(s, c))
     return CalibrationResult(key, shape, ceilings, model.params, [tuple(p) for p in points], held,
                              heldout_err, fit_err, elapsed_s, model.residual, roof_err)
@@ -316,7 +321,11 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
     result = fit_result(key, shape, ceilings, points, time.perf_counter() - t0)
     log.info("calibrated %s on %s in %.1f s: %s, held-out MAPE %.1f %%", model_name, name, result.elapsed_s,
              result.params, 100 * result.heldout_mape)
-    if use_cache:
+    if result.heldout_mape > NOISY_MAPE:
+        log.warning("calibration looks noisy (held-out MAPE %.0f %%): the machine was probably busy. It is used "
+                    "for now but not cached; run `bastion calibrate --force` on a quiet machine.",
+                    100 * result.heldout_mape)
+    elif use_cache:
         save_cached(path, result)
     return result
 

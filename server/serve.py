@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ def run(args) -> int:
     def on_load_error(err: BaseException) -> None:
         server.should_exit = True
 
-    scheduler.on_ready = lambda: log.info("ready: http://%s:%d/v1 (health: /health)", args.host, args.port)
+    # Printed, not logged: the default log level hides INFO, and users wait for this line.
+    scheduler.on_ready = lambda: print(f"bastion: ready on http://{args.host}:{args.port}/v1 (health: /health)",
+                                       file=sys.stderr, flush=True)
     scheduler.on_load_error = on_load_error
     # uvicorn re-raises the captured signal after its graceful shutdown, which would turn a clean
     # exit into "killed by SIGTERM"; handlers installed here absorb that re-raise.
