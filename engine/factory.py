@@ -138,7 +138,9 @@ def add_engine_arguments(parser) -> None:
 
     env = os.environ.get
     parser.add_argument("--target", default=env("BASTION_TARGET"), help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id, or 'none' (default for the embedded target: its shipped DFlash drafter + suffix)")
+    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id; 'suffix' (model-free suffix index); 'dflash' (the "
+                             "target's shipped DFlash); 'X+suffix' (DFlash X merged with the suffix index); 'none' "
+                             "(default for the embedded target: dflash+suffix)")
     parser.add_argument("--mode", default=env("BASTION_MODE"), choices=MODES, help="decoding mode (default: bastion with a drafter, else ar)")
     parser.add_argument("--budget", type=int, default=env("BASTION_BUDGET", "32"), help="tree size for --mode tree")
     parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
