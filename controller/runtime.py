@@ -14,8 +14,7 @@ class EngineController(BudgetController):
 
     def observe(self, stats, tree) -> None:
         """stats: engine StepStats; tree: the verified Tree (depths, log_scores)."""
-        cheap = getattr(stats, "cheap", False)
-        proposed = stats.drafted or cheap
+        proposed = stats.drafted or stats.cheap
         mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
-                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=cheap)
+                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap)
