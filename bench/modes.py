@@ -11,8 +11,8 @@ tokens and the decode-only timings the report needs. Modes:
     bastion   the engine with the adaptive budget controller, as served (surrogate correction on)
     bastion-raw  the same trusting the drafter's raw scores (the paper's rule, correction off)
 
-`resolve_drafter` is the one place a drafter spec string becomes a drafter, so new
-kinds (suffix, dflash+suffix) plug in there or in engine.factory.load_drafter.
+Drafters and the adaptive controller come from the caller (bastion/bench.py builds them
+through bastion.factory), so a mode here only decides how a conversation is decoded.
 """
 from __future__ import annotations
 
@@ -284,41 +284,6 @@ def needs_drafter(mode: str) -> bool:
     return mode in SPECULATIVE or bool(_TREE.match(mode))
 
 
-# ---- drafters -------------------------------------------------------------------------------
-
-def resolve_drafter(spec: str | None, target: Target, seed: int = 0) -> tuple[Drafter | None, str]:
-    """Turn a drafter spec into (drafter or None, a description for the report).
-
-    spec: None -> the shipped drafter of the target if any (engine.factory.default_drafter_for);
-    'none' -> no drafter; 'random' -> a random 1-layer DFlash (a lower bound: it is almost
-    never right); anything else goes to engine.factory.load_drafter (a DFlash folder or hub id,
-    later 'suffix' and 'dflash+suffix'). Raises what load_drafter raises on a bad checkpoint.
-    """
-    from engine.factory import default_drafter_for, load_drafter
-
-    if spec is None:
-        spec = default_drafter_for(target)
-        if spec is None:
-            return None, "none"
-    if spec == "none":
-        return None, "none"
-    if spec == "random":
-        from drafting.dflash import random_dflash
-
-        return random_dflash(target.model, seed=seed, num_layers=1, mask_token_id=0), "random (1-layer random DFlash, lower bound)"
-    return load_drafter(spec, target), spec
-
-
-def no_drafter_reason(spec: str | None, target: Target) -> str:
-    """Why speculative modes cannot run, with what to pass instead."""
-    if spec == "none":
-        return "--drafter none was given"
-    from engine.factory import SHIPPED_DRAFTER
-
-    return (f"no drafter is shipped for target '{target.name}' yet (expected {SHIPPED_DRAFTER} for the "
-            "embedded default); pass --drafter PATH_OR_HUB_ID, or --drafter random for a random DFlash (a lower bound)")
-
-
 def build_modes(names: list[str], target: Target, drafter: Drafter | None,
                 bastion_controller: Callable[[], object] | None = None) -> list[Mode]:
     """Mode objects for `names` (already expanded); speculative names need `drafter`.
@@ -343,8 +308,8 @@ def build_modes(names: list[str], target: Target, drafter: Drafter | None,
         elif name in ("bastion", "bastion-raw"):
             if bastion_controller is None:
                 raise ValueError(f"mode '{name}' needs a controller factory")
-            ctl = bastion_controller(surrogate_correction=name == "bastion")
-            modes.append(EngineMode(name, target, Engine(target, drafter, ctl)))
+            controller = bastion_controller(surrogate_correction=name == "bastion")
+            modes.append(EngineMode(name, target, Engine(target, drafter, controller)))
         else:
             budget = int(_TREE.match(name).group(1))
             modes.append(EngineMode(name, target, Engine(target, drafter, make_controller("tree", budget))))

@@ -1,6 +1,6 @@
 """Benchmark figures from per-prompt records: the summary list, the Markdown table, the plot.
 
-Definitions (SPEC section 1):
+Definitions (docs/method.md, section 1):
     TPOT      sum of decode seconds / sum of decode tokens over a dataset's prompts
               (prefill and each turn's first token excluded), so long answers weigh more
     speedup   TPOT of the faster AR baseline (ar-hf or ar) / the mode's TPOT, same prompts

@@ -5,13 +5,15 @@ Modules, one job each:
     ceilings       measured FLOP/s and bytes/s of the device, datasheet cross-check
     latency_model  C(s, c) = max(alpha_c FLOPs/P + beta_c, alpha_m Bytes/BW + beta_m) and its fit
     calibration    timing grid, held-out error, disk cache, report and plot
-    forward_timer  measure_fn for a Hugging Face target (random KV cache of c tokens)
-    policy         AdaptivePolicy (SPEC section 3 stopping rule), PolicySettings
+    policy         AdaptivePolicy (docs/method.md, section 4: the stopping rule), PolicySettings
     profiler       per-step records, T_draft / T_other, background refit on drift
     gate           "never slower than AR": skip drafting when it does not pay, probe with backoff
     surrogate      predicted A_hat vs realised acceptance, optional per-depth correction
-    metrics        prometheus metrics (prefix bastion_) on controller.metrics.REGISTRY
-    budget         BudgetController, the one object the engine talks to
+    metrics        the controller's prometheus metrics (prefix bastion_) on controller.metrics.REGISTRY
+    budget         BudgetController, the engine's StepController in mode `bastion`
+
+The method is described in docs/method.md, sections 4, 7 and 8. The controller imports
+nothing from engine/: the engine calls it through the StepController protocol.
 """
 from controller.budget import BudgetController
 from controller.calibration import CalibrationGrid, CalibrationResult, calibrate, report

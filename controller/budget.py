@@ -1,15 +1,18 @@
-"""The budget controller: one object the engine asks, per decoding step, how to draft and how big a tree.
+"""The budget controller: the engine's adaptive StepController (mode `bastion`).
 
-Per step the engine calls, in order:
+Per step the engine asks, in order (engine/engine.py, `Engine.step`):
     if controller.should_draft():
-        marginals = controller.correct(drafter.propose(...))      # identity unless correction is on
-        tree = build_tree(root, marginals, controller.policy_for_step(c), max_depth)
-        ... verify, accept ...
-        controller.record_step(tree.size, c, verify_s, draft_s, other_s, tree.a_hat, accepted,
-                               depth_mass=depth_mass(tree.depths, tree.log_scores, max_depth))
+        proposal = controller.correct(drafter.propose(...))   # identity unless correction is on
     else:
-        ... plain decoding step ...
-        controller.record_step(1, c, verify_s, 0.0, other_s, 1.0, 1, drafted=False)
+        proposal = drafter.propose_cheap(...)                 # the drafter's free part, or None
+    tree = build_tree(root, proposal, controller.policy_for_step(c), max_depth)
+    ... verify, accept, compact ...
+    controller.observe(stats, tree)                           # the step's StepStats and Tree
+
+`observe` feeds the online profiler, the AR gate and the surrogate check (`record_step`),
+then exports the controller's own gauges. Step figures every mode shares (speedup, tree
+sizes, accepted lengths) are the engine's step accounting (engine/accounting.py), not here.
+The method is described in docs/method.md, section 8.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from controller.latency_model import LatencyModel
 from controller.metrics import TABLE_S, controller_metrics
 from controller.policy import AdaptivePolicy, PolicySettings, default_settings
 from controller.profiler import OnlineProfiler, RunningMean
-from controller.surrogate import SurrogateCalibrator
-from drafting.base import Proposal
+from controller.surrogate import SurrogateCalibrator, depth_mass
+from drafting.proposal import Proposal
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,8 @@ class BudgetController:
     model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
     calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
     registry (default controller.metrics.REGISTRY). surrogate_correction: apply the per-depth
-    scale to proposals in `correct` (off by default here; engine.factory turns it on). max_depth: drafter depth (block size - 1).
+    scale to proposals in `correct` (off by default here; the served controller turns it on,
+    bastion_cli/factory.py). max_depth: drafter depth (block size - 1).
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: a SpeculationGate (default one). table_every: steps between updates
@@ -90,15 +94,15 @@ class BudgetController:
         """Calibrate (or load the matching cache) for a loaded target, then build the controller.
 
         config: target.model.config; dtype: target.dtype; measure_fn(s, c) -> seconds of one
-        target forward (see controller.forward_timer.hf_forward_timer). Other keywords go to
+        target forward (for example engine.timing.verify_timer). Other keywords go to
         `calibrate` (model_name, attn_backend, cache_dir, grid, max_context, progress) or to
         the constructor (kwargs). Raises ValueError for an unsupported config or a failed fit.
         """
         result = calibrate(measure_fn, config, dtype, grid, model_name=model_name, device=device,
                            attn_backend=attn_backend, cache_dir=cache_dir, max_context=max_context, progress=progress)
-        ctl = cls.from_calibration(result, settings, device, **kwargs)
-        ctl.calibration = result
-        return ctl
+        controller = cls.from_calibration(result, settings, device, **kwargs)
+        controller.calibration = result
+        return controller
 
     # ---- per-step API -----------------------------------------------------------------
 
@@ -146,7 +150,8 @@ class BudgetController:
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
                     cheap: bool = False) -> None:
-        """Feed one finished step to the profiler, the AR gate, the surrogate check and the metrics.
+        """Feed one finished step to the profiler, the AR gate and the surrogate check, then
+        export the controller's gauges (latency predicted vs measured, T_draft, T_other, gate).
 
         s: tokens verified (tree size, root included; 1 for a plain step); c: cached tokens
         before the step; verify_s / draft_s / other_s: seconds; a_hat: the tree's surrogate;
@@ -170,26 +175,26 @@ class BudgetController:
                 self.surrogate.record(a_hat, accepted, depth_mass)
             self.gate.record(False)
         self.steps += 1
-        m = self.metrics
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self.step_kinds[kind] += 1
-        m.steps.labels(mode=kind).inc()
-        m.tree_size.observe(s)
-        m.accepted.observe(accepted)
-        m.verify_measured.observe(verify_s)
-        m.verify_last.labels(kind="measured").set(verify_s)
-        m.verify_last.labels(kind="predicted").set(predicted)
-        if verify_s > 0:
-            m.verify_ratio.observe(predicted / verify_s)
-        m.t_draft.set(self.t_draft)
-        m.t_other.set(self.t_other)
-        m.drafting.set(1 if self.gate.should_draft() else 0)
+        self.metrics.observe_step(verify_s, predicted, self.t_draft, self.t_other, self.gate.should_draft())
         if self.steps % self.table_every == 0:
             self.update_table(c)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %s n=%d c=%d A_hat=%.3f accepted=%d verify predicted=%.3f ms measured=%.3f ms "
                       "draft=%.3f ms other=%.3f ms", self.steps, kind, s, c, a_hat,
                       accepted, predicted * 1e3, verify_s * 1e3, draft_s * 1e3, other_s * 1e3)
+
+    def observe(self, stats, tree) -> None:
+        """The engine's per-step hook: `record_step` from a finished step.
+
+        stats: the step's engine.accounting.StepStats; tree: the verified engine.tree.Tree
+        (its depths and log_scores give the depth mass the surrogate check needs).
+        """
+        proposed = stats.drafted or stats.cheap
+        mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
+        self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
+                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap)
 
     def snapshot(self) -> dict:
         """JSON-ready state for reports: steps by kind, gate pauses, running T_draft / T_other

@@ -56,7 +56,7 @@ CPU_GRID = CalibrationGrid((1, 2, 4, 8, 16, 32, 64, 128, 256), (64, 512, 1024))
 #: GPU grid: the reference s = 16..512, c = 64..2048, plus s = 1 (the AR step).
 GPU_GRID = CalibrationGrid((1, 16, 32, 64, 128, 256, 512), (64, 256, 512, 1024, 2048))
 #: Seconds of timed forwards allowed on CPU for the grid, and for re-measuring outliers
-#: (the issue's bound is 60 s in all, ceilings included).
+#: (bounded to 60 s in all, ceilings included).
 CPU_TIME_BUDGET_S = 40.0
 CPU_REMEASURE_BUDGET_S = 10.0
 #: Held-out MAPE (fraction) above which a calibration is not cached: timings spoiled by other work.

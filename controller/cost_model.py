@@ -1,4 +1,4 @@
-"""Analytic cost of one target forward: FLOPs and bytes moved (SPEC section 5).
+"""Analytic cost of one target forward: FLOPs and bytes moved (docs/method.md, section 7).
 
 A forward pass verifies `s` new tokens over a KV cache of `c` tokens. The counts come
 from the target's own Hugging Face config, so Llama, Qwen2, Qwen3 and Mistral decoder
@@ -113,7 +113,7 @@ class ModelShape:
     # ---- per-forward costs --------------------------------------------------------------
 
     def flops(self, s, c):
-        """FLOPs of one forward with s new tokens over c cached tokens (SPEC section 5).
+        """FLOPs of one forward with s new tokens over c cached tokens (docs/method.md, section 7).
 
         Per layer: projections 2s*h*n_q*d + 4s*h*n_kv*d + 2s*n_q*d*h, attention
         4s*(c+s)*n_q*d (QK^T and PV), gated MLP 6s*h*f; plus the LM head 2s*h*V.
@@ -160,7 +160,7 @@ class ModelShape:
         return float(out) if out.ndim == 0 else out
 
     def bytes(self, s, c):
-        """Bytes moved by one forward: weights once + KV read/write + activations (SPEC section 5).
+        """Bytes moved by one forward: weights once + KV read/write + activations (docs/method.md, section 7).
 
         s, c: ints or numpy arrays (broadcast). Returns float(s) in bytes.
         """

@@ -1,4 +1,4 @@
-"""Never slower than AR: decide per step whether drafting pays for itself (issue 4, item 6).
+"""Never slower than AR: decide per step whether drafting pays for itself.
 
 A speculative step's gain is its realised throughput over plain decoding's:
     gain = accepted * T_ar / (T_draft + T_verify + T_other)

@@ -1,4 +1,4 @@
-"""Calibrated roofline latency model C(s, c) and its least-squares fit (SPEC section 5).
+"""Calibrated roofline latency model C(s, c) and its least-squares fit (docs/method.md, section 7).
 
 C(s, c) = max(alpha_c * FLOPs(s, c) / P + beta_c, alpha_m * Bytes(s, c) / BW + beta_m)
 

@@ -16,8 +16,6 @@ from controller.latency_model import PARAM_NAMES, LatencyParams
 REGISTRY = CollectorRegistry()
 #: s values of the latency-table gauge.
 TABLE_S = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
-_ACCEPT_BUCKETS = tuple(range(1, 17)) + (24, 32)
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -38,10 +36,6 @@ class ControllerMetrics:
         self.t_draft = Gauge("bastion_draft_seconds", "Running estimate of the drafter's pass per step", registry=r)
         self.t_other = Gauge("bastion_other_seconds",
                              "Running estimate of per-step overhead outside draft and verify", registry=r)
-        self.tree_size = Histogram("bastion_tree_size_nodes", "Tree tokens verified per step (root included)",
-                                   buckets=_SIZE_BUCKETS, registry=r)
-        self.accepted = Histogram("bastion_accepted_length_tokens",
-                                  "Tokens committed per step, bonus included", buckets=_ACCEPT_BUCKETS, registry=r)
         self.verify_measured = Histogram("bastion_verify_seconds", "Measured verify latency per step",
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.verify_last = Gauge("bastion_verify_last_seconds", "Latest step's verify latency", ["kind"], registry=r)
@@ -50,7 +44,19 @@ class ControllerMetrics:
                                       buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0), registry=r)
         self.refits = Counter("bastion_latency_model_refits", "Background refits of the latency model", registry=r)
         self.drafting = Gauge("bastion_drafting_enabled", "1 when the controller lets the next step draft", registry=r)
-        self.steps = Counter("bastion_steps", "Decoding steps by kind: draft (full drafter), cheap (its free part only), plain", ["mode"], registry=r)
+
+    def observe_step(self, verify_s: float, predicted_s: float, t_draft: float, t_other: float,
+                     drafting: bool) -> None:
+        """One step's latency figures (seconds): measured and predicted verify time, the running
+        T_draft / T_other estimates, and whether the next step may draft."""
+        self.verify_measured.observe(verify_s)
+        self.verify_last.labels(kind="measured").set(verify_s)
+        self.verify_last.labels(kind="predicted").set(predicted_s)
+        if verify_s > 0:
+            self.verify_ratio.observe(predicted_s / verify_s)
+        self.t_draft.set(t_draft)
+        self.t_other.set(t_other)
+        self.drafting.set(1 if drafting else 0)
 
     def set_params(self, params: LatencyParams) -> None:
         for name, value in zip(PARAM_NAMES, params.as_tuple()):

@@ -1,4 +1,4 @@
-"""The adaptive stopping policy: grow the tree while one more node raises throughput (SPEC section 3).
+"""The adaptive stopping policy: grow the tree while one more node raises throughput (docs/method.md, section 4).
 
 Theta(n) = A_hat(T_n) / (T_draft + T_other + C(n)). Adding the next best-first candidate,
 of path score p, raises Theta iff

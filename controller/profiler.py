@@ -1,4 +1,4 @@
-"""Online profiler: per-step timings, running T_draft / T_other, background refit on drift (issue 4, item 4).
+"""Online profiler: per-step timings, running T_draft / T_other, background refit on drift.
 
 Every step's verify time is compared with the model's prediction made before the step.
 When the mean absolute percentage error over the last `window` steps exceeds `threshold`,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from drafting.base import CandidateTree, Marginals, Proposal
+from drafting.proposal import Child, ChildSource, Marginals, Proposal
 
 
 def depth_mass(depths: torch.Tensor, log_scores: torch.Tensor, max_depth: int) -> np.ndarray:
@@ -26,13 +26,31 @@ def depth_mass(depths: torch.Tensor, log_scores: torch.Tensor, max_depth: int) -
     return np.bincount(d[keep] - 1, weights=rho[keep], minlength=max_depth)[:max_depth]
 
 
-def candidate_depths(parents: torch.Tensor) -> torch.Tensor:
-    """[M] int64 depth (1 = child of the root) of each CandidateTree node; parents precede children."""
-    par = parents.tolist()
-    depth = [0] * len(par)
-    for i, p in enumerate(par):
-        depth[i] = 1 if p < 0 else depth[p] + 1
-    return torch.tensor(depth, dtype=torch.long)
+class DepthShifted(ChildSource):
+    """A proposal whose children at depth d + 1 have their log-scores shifted by log_g[d].
+
+    source: the proposal's ChildSource. log_g: [max_depth] per-depth log factors (depths past
+    the end use the last). Scores are capped at 0 so a child never outscores its parent; one
+    shift per depth keeps every node's children sorted. A children list the inner source
+    shares between nodes (a marginals row) is shifted once and reused.
+    """
+
+    def __init__(self, source: ChildSource, log_g: list[float]):
+        self.inner = source
+        self.root_ref = source.root_ref
+        self.deferred = source.deferred
+        self.log_g = log_g
+        self._shared: dict[int, tuple[object, list[Child]]] = {}
+
+    def children(self, ref, depth: int, limit: int) -> list[Child]:
+        kids = self.inner.children(ref, depth, limit)
+        hit = self._shared.get(id(kids))
+        if hit is not None and hit[0] is kids:
+            return hit[1]
+        g = self.log_g[min(depth, len(self.log_g) - 1)]
+        out = [(lp + g if lp + g < 0.0 else 0.0, t, r) for lp, t, r in kids]
+        self._shared[id(kids)] = (kids, out)  # the reference keeps id(kids) from being reused
+        return out
 
 
 class SurrogateCalibrator:
@@ -93,10 +111,11 @@ class SurrogateCalibrator:
     def correct(self, proposal: Proposal) -> Proposal:
         """The proposal with depth-d scores scaled by g_d; the input itself when disabled.
 
-        Marginals: row d's log-probs shifted by log g_d (capped at 0); a per-row shift keeps
-        each row sorted, so best-first order within a depth is unchanged. CandidateTree: each
-        node's conditional log-score shifted by log g of its depth, which scales its path
-        score by the cumulative G_d exactly as for marginals.
+        Marginals: row d's log-probs shifted by log g_d (capped at 0) on their device; a
+        per-row shift keeps each row sorted, so best-first order within a depth is unchanged.
+        Any other proposal (a suffix trie, a merge, a CandidateTree) is wrapped in a
+        DepthShifted source: each child's conditional log-score is shifted by log g of its
+        depth, which scales its path score by the cumulative G_d exactly as for marginals.
         """
         if not self.enabled:
             self._applied = np.ones(self.max_depth)
@@ -104,11 +123,8 @@ class SurrogateCalibrator:
         g = self.depth_factors()
         log_g = torch.from_numpy(np.log(g))
         self._applied = np.cumprod(g)
-        if isinstance(proposal, CandidateTree):
-            depth = candidate_depths(proposal.parents)
-            rows = (depth - 1).clamp(max=self.max_depth - 1)
-            shift = log_g.to(proposal.logprobs.dtype)[rows]
-            return CandidateTree(proposal.tokens, proposal.parents, torch.clamp(proposal.logprobs + shift, max=0.0))
+        if not isinstance(proposal, Marginals):
+            return DepthShifted(proposal.source(), log_g.tolist())
         rows = min(proposal.depth, self.max_depth)
         shift = torch.zeros(proposal.depth, 1, dtype=proposal.logprobs.dtype)
         shift[:rows, 0] = log_g[:rows].to(proposal.logprobs.dtype)

@@ -1,1 +1,1 @@
-"""Drafters: components that propose candidate continuations (marginals or candidate trees)."""
+"""Drafters the engine runs: DFlash, the suffix index, their hybrid, and the proposal types they emit."""

@@ -1,58 +1,12 @@
-"""The drafter interface and the two proposal forms the tree builder accepts."""
+"""The drafter interface the engine drives (proposal types: drafting.proposal)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class Marginals:
-    """Position-wise marginals q_1..q_D reduced to their top K tokens (SPEC section 1).
-
-    token_ids: [D, K] int64 target token ids; row d-1 holds depth d.
-    logprobs:  [D, K] float32 log-probabilities, each row sorted in non-increasing order.
-    """
-
-    token_ids: torch.Tensor
-    logprobs: torch.Tensor
-
-    @property
-    def depth(self) -> int:
-        return int(self.token_ids.shape[0])
-
-    def to_host(self) -> "Marginals":
-        """Both tensors on the CPU with one device-to-host transfer; `self` when already there.
-
-        Ids and log-probs travel packed as one float64 [D, 2K] tensor: float64 holds every
-        token id (< 2^53) and every float32/bfloat16 log-prob exactly. Returns token_ids
-        int64 and logprobs in their original dtype.
-        """
-        if self.token_ids.device.type == "cpu" and self.logprobs.device.type == "cpu":
-            return self
-        k = self.token_ids.shape[1]
-        packed = torch.cat([self.token_ids.double(), self.logprobs.double()], dim=1).cpu()
-        return Marginals(token_ids=packed[:, :k].long(), logprobs=packed[:, k:].to(self.logprobs.dtype))
-
-
-@dataclass
-class CandidateTree:
-    """An explicit candidate tree with conditional scores (e.g. from a suffix index).
-
-    tokens:   [M] int64 target token ids of the candidate nodes (the root is implicit).
-    parents:  [M] int64 index of the parent candidate, -1 for a child of the root;
-              a parent always precedes its children.
-    logprobs: [M] float32 log q(token | path to parent).
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    logprobs: torch.Tensor
-
-
-Proposal = Marginals | CandidateTree
+from drafting.proposal import Proposal
 
 
 class Drafter(ABC):
@@ -111,5 +65,6 @@ class Drafter(ABC):
         """Propose continuations of `root` (committed, not yet in the target cache).
 
         max_depth: deepest depth the engine can use this step (<= self.max_depth).
-        Returns Marginals with D <= max_depth rows, or a CandidateTree.
+        Returns a Proposal (drafting.proposal): Marginals with D <= max_depth rows, or a
+        ChildSource / CandidateTree whose nodes lie at depth <= max_depth.
         """

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter: the published checkpoint format (SPEC section 2) and its forward pass.
+"""DFlash block-diffusion drafter: the published checkpoint format (docs/method.md, section 2) and its forward pass.
 
 The drafter reads the target's hidden states at a few layers (context features),
 embeds the block [root, MASK, ..., MASK] with the target's own input embedding,
@@ -32,7 +32,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from drafting.base import Drafter, Marginals
+from drafting.base import Drafter
+from drafting.proposal import Marginals
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -43,7 +44,7 @@ class DrafterLoadError(ValueError):
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """Target layers read by the drafter when the config does not list them (SPEC section 2).
+    """Target layers read by the drafter when the config does not list them (docs/method.md, section 2).
 
     n is the number of layers read (the drafter's own layer count in published configs).
 

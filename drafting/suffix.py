@@ -1,12 +1,13 @@
-"""Training-free suffix drafter: candidate trees from repeated text (issue 9).
+"""Training-free suffix drafter: candidate trees from repeated text.
 
 Each request owns a suffix automaton over its prompt and committed output; the drafter
 optionally owns a bounded global index over recently finished requests' outputs
 (`drafting.suffix_index`). Per step it matches the longest suffix (at most
 `max_match_len` tokens, root last) of the context in each index and grows a candidate
-tree best-first over the continuations of the matched occurrences, scored by their
-counts. The tree builder (`engine.tree.build_tree`) consumes it as a `CandidateTree`,
-so the conditional structure is kept and the stopping rule is unchanged.
+proposal over the continuations of the matched occurrences, scored by their counts: a
+lazy `SuffixTrie` (a `ChildSource`) whose children are read from the automata only when
+the tree builder (`engine.tree.build_tree`) grows that node, so the conditional
+structure is kept and the stopping policy alone decides the tree's size.
 
 Prior art read for understanding only: SuffixDecoding (Oliaro et al. 2024, as in
 ArcticInference), llama.cpp lookup decoding, transformers' prompt-lookup decoding.
@@ -29,17 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafting.base import CandidateTree, Drafter
+from drafting.base import Drafter
+from drafting.proposal import Child, ChildSource
 from drafting.suffix_index import GlobalSuffixIndex, SuffixAutomaton
-
-_EMPTY_LONG = torch.empty(0, dtype=torch.long)
-_EMPTY_FLOAT = torch.empty(0, dtype=torch.float32)
-
-
-def empty_candidate_tree() -> CandidateTree:
-    """A CandidateTree with M = 0 (nothing to propose; the engine verifies the root only)."""
-    return CandidateTree(tokens=_EMPTY_LONG.clone(), parents=_EMPTY_LONG.clone(), logprobs=_EMPTY_FLOAT.clone())
-
 
 @dataclass
 class SuffixState:
@@ -162,11 +155,38 @@ def _children(srcs: tuple[_Src, ...], weights: tuple[float, ...], smoothing: flo
     return [(math.log(probs[c]), c, tuple(kids[c])) for c in order]
 
 
+class SuffixTrie(ChildSource):
+    """The merged continuation trie of the matched indexes, expanded on demand.
+
+    A node's reference is its per-source (automaton, state) tuple (None for a source the
+    path has left); `children` computes the node's mixture conditionals from the automata
+    (`_children`), so only the nodes the tree builder grows are ever scanned.
+    srcs / weights: per matched source at the root, its (automaton, state) and mixture
+    weight; empty `srcs` means no match (no children). max_depth: deepest node depth.
+    The automata must not change while the trie is read (the engine builds the tree
+    before it extends the drafter's state).
+    """
+
+    def __init__(self, srcs: tuple[_Src, ...], weights: tuple[float, ...], smoothing: float, max_depth: int):
+        self.root_ref = srcs
+        self.weights = weights
+        self.smoothing = smoothing
+        self.max_depth = max_depth
+
+    def children(self, ref: tuple[_Src, ...], depth: int, limit: int) -> list[Child]:
+        if depth >= self.max_depth or not ref or limit < 1:
+            return []
+        return _children(ref, self.weights, self.smoothing, limit)
+
+    @property
+    def empty(self) -> bool:
+        return not self.root_ref or self.max_depth < 1
+
+
 class SuffixDrafter(Drafter):
     """Model-free drafter proposing continuations seen earlier in the context or in recent outputs.
 
     max_depth: deepest candidate depth (default 15).
-    max_candidates: node cap of each CandidateTree (root excluded), default 64.
     max_match_len: longest context suffix matched, root included (M), default 32.
     min_match_len: a source whose longest match is shorter proposes nothing, default 1.
     global_tokens: size limit in tokens of the global index over finished requests'
@@ -182,17 +202,16 @@ class SuffixDrafter(Drafter):
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, max_depth: int = 15, max_candidates: int = 64, max_match_len: int = 32,
+    def __init__(self, max_depth: int = 15, max_match_len: int = 32,
                  min_match_len: int = 1, global_tokens: int = 0, global_low_water: float = 0.75,
                  smoothing: float = 0.0) -> None:
-        if max_depth < 1 or max_candidates < 1 or max_match_len < 1:
-            raise ValueError("max_depth, max_candidates and max_match_len must be >= 1")
+        if max_depth < 1 or max_match_len < 1:
+            raise ValueError("max_depth and max_match_len must be >= 1")
         if not 1 <= min_match_len <= max_match_len:
             raise ValueError("need 1 <= min_match_len <= max_match_len")
         if global_tokens < 0 or smoothing < 0:
             raise ValueError("global_tokens and smoothing must be >= 0")
         self.max_depth = int(max_depth)
-        self.max_candidates = int(max_candidates)
         self.max_match_len = int(max_match_len)
         self.min_match_len = int(min_match_len)
         self.smoothing = float(smoothing)
@@ -220,17 +239,17 @@ class SuffixDrafter(Drafter):
         state.tokens.extend(toks)
         state.index.extend(toks)
 
-    def propose(self, state: SuffixState, root: int, max_depth: int) -> CandidateTree:
-        """Candidate tree continuing `root` (committed, not yet in `state`).
+    def propose(self, state: SuffixState, root: int, max_depth: int) -> SuffixTrie:
+        """The continuation trie of `root` (committed, not yet in `state`).
 
-        Returns a CandidateTree of M <= max_candidates nodes, depth <= min(max_depth,
-        self.max_depth), parents before children, logprobs = log conditional q; M = 0
-        when no index matches at least `min_match_len` tokens.
+        Returns a SuffixTrie of depth <= min(max_depth, self.max_depth) whose conditionals
+        are log q; it is `empty` when no index matches at least `min_match_len` tokens.
+        The tree builder's stopping policy decides how much of it is used.
         """
         state.proposals += 1
         depth = min(int(max_depth), self.max_depth)
         if depth <= 0:
-            return empty_candidate_tree()
+            return SuffixTrie((), (), self.smoothing, 0)
         m = self.max_match_len
         window = state.tokens[max(0, len(state.tokens) - (m - 1)):] if m > 1 else []
         window.append(int(root))
@@ -248,9 +267,9 @@ class SuffixDrafter(Drafter):
                 srcs.append((g.automaton, s))
                 lens.append(float(length))
         if not srcs:
-            return empty_candidate_tree()
+            return SuffixTrie((), (), self.smoothing, depth)
         state.matched += 1
-        return self._grow(tuple(srcs), tuple(lens), depth)
+        return SuffixTrie(tuple(srcs), tuple(lens), self.smoothing, depth)
 
     # -- global index ----------------------------------------------------------------
 
@@ -268,62 +287,3 @@ class SuffixDrafter(Drafter):
             return None
         start = state.prompt_len or 0
         return self.global_index.add(state.tokens[start:] + [int(t) for t in final_tokens])
-
-    # -- tree growth -----------------------------------------------------------------
-
-    def _grow(self, srcs: tuple[_Src, ...], weights: tuple[float, ...], depth: int) -> CandidateTree:
-        """Best-first over the merged continuation trie: the top-`max_candidates`
-        prefix-closed set of paths by path probability, depth <= `depth`.
-
-        Heap entries are (-score, tie, node, rank): rank >= 0 is the rank-th child of
-        `node` (-1 = root) scored by its path log-probability; rank = -1 is a deferred
-        expansion of `node`, scored by the node's own path log-probability (an upper
-        bound on its children's), so nodes left in the heap when the cap is reached
-        (mostly leaves) never pay for scanning their continuations.
-        """
-        cap = self.max_candidates
-        sm = self.smoothing
-        first = _children(srcs, weights, sm, cap)
-        if not first:
-            return empty_candidate_tree()
-        kids = {-1: first}
-        toks: list[int] = []
-        pars: list[int] = []
-        lps: list[float] = []
-        path: list[float] = []
-        dep: list[int] = []
-        nsrc: list[tuple[_Src, ...]] = []
-        heap = [(-first[0][0], 0, -1, 0)]
-        tie = 1
-        push, pop = heapq.heappush, heapq.heappop
-        while heap and len(toks) < cap:
-            neg, _, node, rank = pop(heap)
-            if rank < 0:  # deferred expansion of `node`
-                ch = _children(nsrc[node], weights, sm, cap - len(toks))
-                if ch:
-                    kids[node] = ch
-                    push(heap, (neg - ch[0][0], tie, node, 0))
-                    tie += 1
-                continue
-            siblings = kids[node]
-            lp, tok, child_srcs = siblings[rank]
-            i = len(toks)
-            toks.append(tok)
-            pars.append(node)
-            lps.append(lp)
-            path.append(-neg)
-            nsrc.append(child_srcs)
-            d = 1 if node < 0 else dep[node] + 1
-            dep.append(d)
-            if rank + 1 < len(siblings):
-                base = 0.0 if node < 0 else path[node]
-                push(heap, (-(base + siblings[rank + 1][0]), tie, node, rank + 1))
-                tie += 1
-            if d < depth:
-                push(heap, (neg, tie, i, -1))
-                tie += 1
-        return CandidateTree(
-            tokens=torch.tensor(toks, dtype=torch.long),
-            parents=torch.tensor(pars, dtype=torch.long),
-            logprobs=torch.tensor(lps, dtype=torch.float32),
-        )

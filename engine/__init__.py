@@ -1,1 +1,1 @@
-"""Decoding engine: target loading, tree building, verification and the generation loop."""
+"""Decoding engine: target loading, the best-first tree builder, verification, acceptance, the decode loop and its step accounting."""

@@ -1,7 +1,7 @@
 """Tree attention backends for verification, plugged into transformers through AttentionInterface.
 
 A verification forward attends from n tree nodes over the c cached prefix tokens and the
-n nodes themselves: row i sees the whole prefix, node i and its ancestors (SPEC section 4).
+n nodes themselves: row i sees the whole prefix, node i and its ancestors (docs/method.md, section 5).
 The engine hands the tree to the attention function as a `TreeAttention` object in the
 model call's keyword `bastion_tree` (transformers forwards unknown keywords of
 `model(...)` down to the attention function); no model code is edited.
@@ -26,7 +26,6 @@ Usage:
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import time
 import warnings
@@ -471,7 +470,7 @@ _SELECTED: dict[tuple, str] = {}
 def select_backend(name: str = "auto", device: torch.device | str = "cpu", *, config=None,
                    dtype: torch.dtype = torch.float32) -> str:
     """The backend to verify with: `name` itself (checked), or for 'auto' the fastest measured one
-    (on a CPU 'auto' is sdpa without measuring: the issue's CPU default).
+    (on a CPU 'auto' is sdpa without measuring: the CPU default).
 
     config: the target's HF config (its head counts and head_dim shape the measurement).
     The choice for 'auto' is remembered per (device, dtype, shape) for the process.
@@ -496,13 +495,3 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", *, co
         ok = {k: v for k, v in times.items() if v is not None}
         _SELECTED[key] = min(ok, key=lambda k: (ok[k], BACKENDS.index(k))) if ok else "sdpa"
     return _SELECTED[key]
-
-
-def reference_tree_attention(q, k, v, tree: TreeAttention, scale: float) -> torch.Tensor:
-    """Float64 reference (dense mask, repeated KV heads): [b, hq, n, d] in q's dtype (for tests)."""
-    g = q.shape[1] // k.shape[1]
-    kr = k.double().repeat_interleave(g, dim=1)
-    vr = v.double().repeat_interleave(g, dim=1)
-    scores = torch.matmul(q.double(), kr.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~tree.visible(), -math.inf)
-    return torch.matmul(torch.softmax(scores, dim=-1), vr).to(q.dtype)

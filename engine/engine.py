@@ -8,7 +8,9 @@ from typing import Callable, Iterator, Protocol
 import torch
 from transformers import DynamicCache
 
-from drafting.base import Drafter, Proposal
+from drafting.base import Drafter
+from drafting.proposal import Proposal
+from engine.accounting import StepAccounting, StepStats, summarize
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import SamplingParams, select_token
@@ -17,35 +19,12 @@ from engine.greedy_device import accept_greedy_device
 from engine.tree_buffers import TreeBufferPool
 from engine.verifier import accept_sample, compact_cache, gather_features, target_forward, verify
 
-MODES = ("ar", "chain", "tree", "bastion")
+#: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
+FIXED_MODES = ("ar", "chain", "tree")
 
 
 class ContextLengthError(ValueError):
     """Prompt + max_tokens exceed the target's context length."""
-
-
-@dataclass
-class StepStats:
-    """One verification step. Times in seconds; sizes in tokens.
-
-    tree_size: nodes verified (root included); accepted: tokens committed this step
-    (bonus included, after stop truncation); context_len: cached tokens before the step;
-    a_hat: the tree's acceptance surrogate; drafted: whether the drafter ran.
-    accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
-    cheap: the tree came from the drafter's nearly free part (`Drafter.propose_cheap`)
-    on a step where the controller had turned the full drafter off.
-    """
-
-    tree_size: int
-    accepted: int
-    accepted_depth: int
-    context_len: int
-    a_hat: float
-    drafted: bool
-    draft_s: float
-    verify_s: float
-    other_s: float
-    cheap: bool = False
 
 
 @dataclass
@@ -78,13 +57,12 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean accepted length: committed tokens per verification step (bonus included)."""
-        n = len(self.steps)
-        return sum(s.accepted for s in self.steps) / n if n else 0.0
+        return summarize(self.steps).tau
 
     @property
     def mean_tree_size(self) -> float:
-        n = len(self.steps)
-        return sum(s.tree_size for s in self.steps) / n if n else 0.0
+        """Mean nodes verified per step (root included)."""
+        return summarize(self.steps).mean_tree_size
 
 
 @dataclass
@@ -112,6 +90,24 @@ class Sequence:
     @property
     def n_out(self) -> int:
         return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP layer needs of the loaded model, without the engine itself.
+
+    name: the target's name; max_context: context length in tokens; dtype: compute dtype name.
+    encode_chat(messages) -> prompt ids (chat template applied); encode_text(text) -> ids;
+    check_length(prompt_len, max_tokens) raises ValueError / ContextLengthError for work
+    that cannot fit.
+    """
+
+    name: str
+    max_context: int
+    dtype: str
+    encode_chat: Callable[[list[dict]], list[int]]
+    encode_text: Callable[[str], list[int]]
+    check_length: Callable[[int, int], None]
 
 
 class StepController(Protocol):
@@ -167,7 +163,7 @@ def make_controller(mode: str, budget: int = 32, block_size: int = 16) -> FixedC
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
         return FixedController(FixedBudgetPolicy(budget))
-    raise ValueError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+    raise ValueError(f"unknown fixed mode '{mode}' (choose from {', '.join(FIXED_MODES)})")
 
 
 class Engine:
@@ -175,15 +171,18 @@ class Engine:
 
     target: the loaded Target. drafter: a Drafter or None (AR only).
     controller: a StepController (default: AR, one node per step).
+    accounting: StepAccounting every step is recorded in (default: a fresh one).
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, controller: StepController | None = None):
+    def __init__(self, target: Target, drafter: Drafter | None = None, controller: StepController | None = None,
+                 accounting: StepAccounting | None = None):
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.drafter = drafter
         self.controller = controller or make_controller("ar")
         self.eos_ids = target.eos_token_ids
+        self.accounting = accounting if accounting is not None else StepAccounting()
         # Tree index buffers, one per bucket size, reused by every step of every request.
         self.buffers = TreeBufferPool(self.model.device)
 
@@ -200,6 +199,13 @@ class Engine:
 
     def max_context(self) -> int:
         return self.target.max_context
+
+    def info(self) -> ModelInfo:
+        """The serving-facing description of this engine's model (see ModelInfo)."""
+        return ModelInfo(name=self.target.name, max_context=self.max_context(),
+                         dtype=str(self.model.dtype).removeprefix("torch."), encode_chat=self.chat_prompt_ids,
+                         encode_text=lambda text: list(self.tokenizer(text)["input_ids"]),
+                         check_length=self.check_length)
 
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse work that cannot fit: raises ContextLengthError naming the numbers."""
@@ -225,7 +231,7 @@ class Engine:
         if not params.greedy and params.seed is not None:
             gen = torch.Generator().manual_seed(int(params.seed))
         drafter = self.drafter
-        flayers = drafter.feature_layers if drafter is not None else ()
+        feature_layers = drafter.feature_layers if drafter is not None else ()
         seq = Sequence(
             prompt_ids=list(prompt_ids),
             params=params,
@@ -237,9 +243,9 @@ class Engine:
         )
         with torch.inference_mode():
             out = target_forward(self.model, torch.tensor([seq.prompt_ids], device=self.model.device), seq.cache,
-                                 hidden=bool(flayers), logits_to_keep=1)
+                                 hidden=bool(feature_layers), logits_to_keep=1)
             if drafter is not None:
-                drafter.extend(seq.drafter_state, seq.prompt_ids, gather_features(out.hidden_states, flayers))
+                drafter.extend(seq.drafter_state, seq.prompt_ids, gather_features(out.hidden_states, feature_layers))
             seq.root = select_token(out.logits[0, -1], params, gen)
         seq.prefix_len = len(prompt_ids)
         committed, finish = self._commit(seq, [seq.root])
@@ -255,41 +261,42 @@ class Engine:
         Returns the step's event (finish_reason set when the request ends).
         """
         drafter = self.drafter
-        flayers = drafter.feature_layers if drafter is not None else ()
+        feature_layers = drafter.feature_layers if drafter is not None else ()
         params = seq.params
         t0 = time.perf_counter()
         remaining = params.max_tokens - seq.n_out
-        ctl = self.controller
-        policy = ctl.policy_for_step(seq.prefix_len)
+        controller = self.controller
+        policy = controller.policy_for_step(seq.prefix_len)
         proposal = None
         max_depth = 0
         drafted = False
         if drafter is not None and policy.max_nodes > 1 and remaining > 1:
             depth = min(drafter.max_depth, remaining - 1)
-            if ctl.should_draft():
+            if controller.should_draft():
                 proposal, drafted = drafter.propose(seq.drafter_state, seq.root, depth), True
             else:  # the full drafter does not pay now; its free part (if any) still may
                 proposal = drafter.propose_cheap(seq.drafter_state, seq.root, depth)
             if proposal is not None:
-                proposal, max_depth = ctl.correct(proposal), depth
+                proposal, max_depth = controller.correct(proposal), depth
         t1 = time.perf_counter()
         tree = build_tree(seq.root, proposal, policy, max_depth)
         t2 = time.perf_counter()
-        dtree = self.buffers.load(tree, seq.prefix_len)
-        vo = verify(self.model, seq.cache, tree, seq.prefix_len, flayers, device_tree=dtree)
+        device_tree = self.buffers.load(tree, seq.prefix_len)
+        verified = verify(self.model, seq.cache, tree, seq.prefix_len, feature_layers, device_tree=device_tree)
         t3 = time.perf_counter()
         if params.greedy:
-            acc = accept_greedy_device(dtree, vo.logits)
-            path, bonus, index = acc.path, acc.bonus, acc.index
+            acceptance = accept_greedy_device(device_tree, verified.logits)
+            path, bonus, index = acceptance.path, acceptance.bonus, acceptance.index
         else:
-            path, bonus = accept_sample(tree, vo.logits, params, seq.generator)
+            path, bonus = accept_sample(tree, verified.logits, params, seq.generator)
             index = None
         committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
         context_len = seq.prefix_len
         if finish is None:
             compact_cache(seq.cache, seq.prefix_len, path, index)
             if drafter is not None:
-                feats = vo.features[index if index is not None else path] if vo.features is not None else None
+                feats = verified.features
+                feats = feats[index if index is not None else path] if feats is not None else None
                 drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), feats)
             seq.prefix_len += len(path)
             seq.root = bonus
@@ -307,7 +314,8 @@ class Engine:
             cheap=proposal is not None and not drafted,
         )
         seq.steps.append(stats)
-        ctl.observe(stats, tree)
+        self.accounting.record(stats)
+        controller.observe(stats, tree)
         if finish is not None and drafter is not None:
             # The root was committed earlier but, like this step's tokens, never reached the drafter.
             drafter.finish(seq.drafter_state, [seq.root] + committed)

@@ -1,4 +1,7 @@
-"""Best-first, budget-aware prefix-tree construction (SPEC section 3) and tree masks (section 4)."""
+"""Best-first, budget-aware prefix-tree construction (docs/method.md, section 3).
+
+The masks that verification needs are built on the device from a Tree (engine/tree_buffers.py).
+"""
 from __future__ import annotations
 
 import heapq
@@ -6,10 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from drafting.base import CandidateTree, Marginals, Proposal
+from drafting.proposal import Proposal
 
 
 class StoppingPolicy(Protocol):
@@ -108,92 +110,74 @@ class Tree:
         return out
 
 
-def _children_source(proposal: Proposal, top_k: int | None):
-    """Return (children(ref) -> (tokens, logprobs) lists, ref_of_child(ref, rank) -> ref)."""
-    if isinstance(proposal, Marginals):
-        k = proposal.token_ids.shape[1] if top_k is None else min(top_k, proposal.token_ids.shape[1])
-        # Device marginals reach the host here, in one transfer of the kept columns only.
-        kept = Marginals(proposal.token_ids[:, :k], proposal.logprobs[:, :k]).to_host()
-        toks = kept.token_ids.tolist()
-        lps = kept.logprobs.float().tolist()
-        depth = len(toks)
-        empty: tuple[list, list] = ([], [])
-
-        # ref = depth of the node; its children live in row `ref`.
-        def children(ref: int):
-            return (toks[ref], lps[ref]) if ref < depth else empty
-
-        def child_ref(ref: int, rank: int) -> int:
-            return ref + 1
-
-        return children, child_ref, 0
-    if isinstance(proposal, CandidateTree):
-        kids: dict[int, list[tuple[float, int, int]]] = {}
-        for i, (t, p, lp) in enumerate(zip(proposal.tokens.tolist(), proposal.parents.tolist(),
-                                           proposal.logprobs.float().tolist())):
-            kids.setdefault(p, []).append((lp, t, i))
-        lists = {}
-        for p, lst in kids.items():
-            lst.sort(key=lambda x: -x[0])
-            if top_k is not None:
-                lst = lst[:top_k]
-            lists[p] = ([t for _, t, _ in lst], [lp for lp, _, _ in lst], [i for _, _, i in lst])
-        empty3: tuple[list, list, list] = ([], [], [])
-
-        # ref = candidate index of the node (-1 for the root).
-        def children(ref: int):
-            t, lp, _ = lists.get(ref, empty3)
-            return t, lp
-
-        def child_ref(ref: int, rank: int) -> int:
-            return lists[ref][2][rank]
-
-        return children, child_ref, -1
-    raise TypeError(f"unknown proposal type {type(proposal).__name__}")
-
-
 def build_tree(root: int, proposal: Proposal | None, policy: StoppingPolicy, max_depth: int) -> Tree:
-    """Grow the tree best-first by path score rho (SPEC section 3, BASTION paper section 3.2).
+    """Grow the tree best-first by path score rho (docs/method.md, section 3; paper section 3.2).
 
-    A max-heap holds the frontier: after adding a node we push its first child and its
-    next sibling, so nodes come out in non-increasing rho and every parent precedes its
-    children. For each size n the result maximises A_hat over prefix-closed trees.
+    The one best-first loop of the project: every proposal form is read through its
+    ChildSource view (`proposal.source(policy.top_k)`), and the policy alone decides when
+    to stop (its `max_nodes` is the only cap). A max-heap holds the frontier, keyed by path
+    log-score. Adding a node pushes its next sibling and its first child; for a source
+    whose children cost work to list (`source.deferred`), a deferred expansion of the node
+    instead, scored by its own path score (an upper bound on its children's, as every
+    conditional is <= 1): its children are listed only when that entry reaches the top, so
+    leaves cost nothing. Nodes come out in non-increasing rho, parents first, so for every size n the
+    result maximises A_hat over prefix-closed trees of n nodes.
 
-    root: root token id. proposal: Marginals or CandidateTree (None: root only).
+    root: root token id. proposal: Marginals, CandidateTree or ChildSource (None: root only).
+    policy: StoppingPolicy (top_k children per node, max_nodes, should_add, finalize).
     max_depth: deepest depth allowed this step (0: root only).
     Returns a Tree of size policy.finalize(n) <= policy.max_nodes.
     """
-    tokens, parents, depths, refs, logs = [root], [-1], [0], [None], [0.0]
+    tokens, parents, depths, logs = [root], [-1], [0], [0.0]
     a_hat = 1.0
     if proposal is not None and max_depth > 0 and policy.max_nodes > 1:
-        children, child_ref, root_ref = _children_source(proposal, policy.top_k)
-        refs[0] = root_ref
-        heap: list[tuple[float, int, int]] = []
-
-        def push(node: int, rank: int) -> None:
-            toks, lps = children(refs[node])
-            if rank < len(toks):
-                heapq.heappush(heap, (-(logs[node] + lps[rank]), node, rank))
-
-        push(0, 0)
+        source = proposal.source(policy.top_k)
+        width = policy.top_k if policy.top_k is not None else policy.max_nodes
         max_nodes = policy.max_nodes
+        should_add = policy.should_add
+        refs: list = [source.root_ref]
+        kids: list = [None]
+        # (-path log-score, tie, node, rank): rank >= 0 is that child of `node`, -1 expands `node`.
+        heap: list[tuple[float, int, int, int]] = [(-0.0, 0, 0, -1)]
+        tie = 1
+        push, pop = heapq.heappush, heapq.heappop
+        deferred = source.deferred
         while heap and len(tokens) < max_nodes:
-            neg, parent, rank = heap[0]
+            neg, _, node, rank = heap[0]
+            if rank < 0:  # list the node's children now that they could be the best candidates
+                pop(heap)
+                ch = source.children(refs[node], depths[node], min(width, max_nodes - len(tokens)))
+                if ch:
+                    kids[node] = ch
+                    push(heap, (neg - ch[0][0], tie, node, 0))
+                    tie += 1
+                continue
             p = math.exp(-neg)
-            if not policy.should_add(len(tokens), a_hat, p):
+            if not should_add(len(tokens), a_hat, p):
                 break
-            heapq.heappop(heap)
-            node = len(tokens)
-            ptoks, _ = children(refs[parent])
-            tokens.append(ptoks[rank])
-            parents.append(parent)
-            depths.append(depths[parent] + 1)
-            refs.append(child_ref(refs[parent], rank))
+            pop(heap)
+            siblings = kids[node]
+            _, token, ref = siblings[rank]
+            tokens.append(token)
+            parents.append(node)
+            depth = depths[node] + 1
+            depths.append(depth)
+            refs.append(ref)
+            kids.append(None)
             logs.append(-neg)
             a_hat += p
-            if depths[node] < max_depth:
-                push(node, 0)
-            push(parent, rank + 1)
+            if rank + 1 < min(len(siblings), width):
+                push(heap, (-(logs[node] + siblings[rank + 1][0]), tie, node, rank + 1))
+                tie += 1
+            if depth < max_depth:
+                if deferred:
+                    push(heap, (neg, tie, len(tokens) - 1, -1))
+                else:  # children are a lookup: push the first one directly
+                    ch = source.children(ref, depth, width)
+                    if ch:
+                        kids[-1] = ch
+                        push(heap, (neg - ch[0][0], tie, len(tokens) - 1, 0))
+                tie += 1
     n = policy.finalize(len(tokens))
     if n < len(tokens):
         # Insertion order is prefix-closed, so truncation keeps a valid tree.
@@ -205,29 +189,3 @@ def build_tree(root: int, proposal: Proposal | None, policy: StoppingPolicy, max
         a_hat=a_hat,
         log_scores=torch.tensor(logs[:n], dtype=torch.float32),
     )
-
-
-def ancestor_matrix(parents: torch.Tensor) -> np.ndarray:
-    """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
-    par = parents.tolist()
-    n = len(par)
-    anc = np.zeros((n, n), dtype=bool)
-    for i, p in enumerate(par):
-        if p >= 0:
-            anc[i, : i] = anc[p, : i]
-        anc[i, i] = True
-    return anc
-
-
-def tree_attention_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Additive mask [1, 1, n, prefix_len + n] for verifying `tree` over a cached prefix.
-
-    Row i sees the whole prefix, node i itself and its ancestors (SPEC section 4);
-    0 where visible, the dtype's most negative value elsewhere.
-    """
-    n = tree.size
-    visible = np.ones((n, prefix_len + n), dtype=bool)
-    visible[:, prefix_len:] = ancestor_matrix(tree.parents)
-    mask = torch.zeros((1, 1, n, prefix_len + n), dtype=dtype, device=device)
-    mask.masked_fill_(~torch.from_numpy(visible).to(device)[None, None], torch.finfo(dtype).min)
-    return mask

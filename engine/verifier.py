@@ -78,7 +78,7 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
     cache: transformers Cache holding exactly `prefix_len` committed tokens; after the
     call it holds prefix_len + n entries (compact it with `compact_cache`).
     Positions are prefix_len + depth; the mask lets node i see the prefix, itself and
-    its ancestors (SPEC section 4). A single node needs no mask (plain causal step).
+    its ancestors (docs/method.md, section 5). A single node needs no mask (plain causal step).
     device_tree: `tree` already loaded on the model's device (engine.tree_buffers); when None
     it is loaded into a per-device pool shared by such callers. The mask is built on the
     device from it, without a host sync.
@@ -96,26 +96,10 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
     return VerifyOutput(logits=out.logits[0], features=feats)
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy acceptance (SPEC section 4): follow the target's argmax down the tree.
-
-    logits: [n, V]. Returns (accepted node indices starting with the root 0, bonus token).
-    """
-    targ = torch.argmax(logits, dim=-1).tolist()
-    kids = tree.children()
-    path = [0]
-    while True:
-        t = targ[path[-1]]
-        nxt = kids[path[-1]].get(t)
-        if nxt is None:
-            return path, t
-        path.append(nxt)
-
-
 def accept_sample(
     tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
-    """Lossless sampling acceptance (SPEC section 4): at each node draw x from the target's
+    """Lossless sampling acceptance (docs/method.md, section 6): at each node draw x from the target's
     processed distribution; descend if a child carries x, else x is the bonus token.
 
     Every committed token is an exact sample of the target given its prefix, whatever

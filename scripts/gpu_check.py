@@ -1,4 +1,4 @@
-"""Device check for the GPU verification path (issue 8): one command, JSON + a short Markdown table.
+"""Device check for the GPU verification path: one command, JSON + a short Markdown table.
 
     python scripts/gpu_check.py                        # one H200: Qwen3-8B shapes, bfloat16, < 8 min
     python scripts/gpu_check.py --device cpu --tiny    # tiny shapes on CPU, < 60 s (run by the tests)
@@ -12,8 +12,8 @@ directly on the device (no download), then:
   3. runs the controller's calibration (sdpa path) and reports its fit error, and the
      measured ceilings next to the datasheet (H200: 989 TFLOP/s bf16, 4.8 TB/s);
   4. times drafter forwards (one block of 16 over c context tokens);
-  5. measures the per-step overhead outside the model forwards at 64 tree nodes, for the
-     host path (host mask, host acceptance loop) and the device path the engine uses.
+  5. measures the per-step overhead outside the model forwards at 64 tree nodes, on the
+     device path the engine uses (the host path it replaced is in docs/gpu.md).
 Random weights make acceptance meaningless: it reports latencies, never speedups.
 """
 from __future__ import annotations
@@ -34,14 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controller.calibration import CalibrationGrid, calibrate  # noqa: E402
 from controller.ceilings import datasheet_ceilings, device_name  # noqa: E402
-from drafting.base import Marginals  # noqa: E402
+from drafting.proposal import Marginals  # noqa: E402
 from drafting.dflash import DFlashDrafter, DFlashModel, DFlashSpec  # noqa: E402
 from engine import attention as attn  # noqa: E402
 from engine.timing import verify_timer  # noqa: E402
-from engine.tree import FixedBudgetPolicy, Tree, build_tree, tree_attention_mask  # noqa: E402
+from engine.tree import FixedBudgetPolicy, Tree, build_tree  # noqa: E402
 from engine.greedy_device import accept_greedy_device  # noqa: E402
 from engine.tree_buffers import TreeBufferPool  # noqa: E402
-from engine.verifier import accept_greedy, compact_cache  # noqa: E402
+from engine.verifier import compact_cache  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -108,7 +108,7 @@ def tree_forward(model, cache, tree: Tree, prefix_len: int, backend: str | None)
     extra, mask = {}, None
     if tree.size > 1:
         if backend is None:
-            mask = tree_attention_mask(tree, prefix_len, model.dtype, dev)
+            mask = TreeBufferPool(dev).load(tree, prefix_len).additive_mask(model.dtype)
         else:
             extra = attn.tree_kwargs(tree, prefix_len, dev)
     return model(input_ids=tree.tokens[None].to(dev), position_ids=tree.position_ids(prefix_len).to(dev),
@@ -233,14 +233,12 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
                   repeats: int = 20) -> dict:
     """Median seconds of each per-step piece outside the model forwards, at n tree nodes over c tokens.
 
-    tree_build: best-first over [15, 128] marginals. Host path (before issue 8 item 3):
-    mask_host: additive mask (numpy on the host, then copied); accept: accept_greedy over [n, V]
-    logits (argmax, tolist, Python walk over children); compact: KV gather of a non-prefix path in
+    tree_build: best-first over [15, 128] marginals. compact: KV gather of a non-prefix path in
     every layer from a host list. Device path (the engine's): load_device: tree into the per-bucket
     buffers (one copy), ancestors and additive mask on the device; accept_device: accept_greedy_device
     (one host read); compact_device: the gather with the device index. argmax: the argmax over
-    [n, V] alone, part of both accepts. walk_host / walk_device: both acceptances over a stand-in
-    with a vocabulary of only the tokens involved (same path), i.e. without the big argmax.
+    [n, V] alone, part of the acceptance. walk_device: the acceptance over a stand-in with a
+    vocabulary of only the tokens involved (same path), i.e. without the big argmax.
     mask_device: TreeAttention.from_tree + visible (for reference).
     """
     from transformers import DynamicCache
@@ -263,7 +261,7 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
     kv_shape = (1, shape["num_key_value_heads"], c + tree.size, shape["head_dim"])
     layers = [(torch.randn(kv_shape, device=device, dtype=dtype), torch.randn(kv_shape, device=device, dtype=dtype))
               for _ in range(L)]
-    path, _ = accept_greedy(tree, logits)
+    path = chain[::-1]  # what the logits above make the target accept
     pool = TreeBufferPool(device)
     dtree = pool.load(tree, c)
     acc = accept_greedy_device(dtree, logits)  # also builds dtree's ancestors, as verification does
@@ -299,19 +297,15 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
 
     parts = {
         "tree_build": lambda: build_tree(1, marg, policy, 15),
-        "mask_host": lambda: tree_attention_mask(tree, c, dtype, device),
         "mask_device": lambda: attn.TreeAttention.from_tree(tree, c, device).visible(),
-        "accept": lambda: accept_greedy(tree, logits),
         "compact": compact,
         "load_device": load_device,
         "argmax": lambda: torch.argmax(logits, dim=-1),
         "accept_device": lambda: accept_greedy_device(dtree, logits),
         "compact_device": lambda: compact(acc.index),
-        "walk_host": lambda: accept_greedy(small_tree, small_logits),
         "walk_device": lambda: accept_greedy_device(small_dtree, small_logits),
     }
     out = {k: timed(f, device, 2, repeats) for k, f in parts.items()}
-    out["total_host_path"] = out["tree_build"] + out["mask_host"] + out["accept"] + out["compact"]
     out["total_device_path"] = out["tree_build"] + out["load_device"] + out["accept_device"] + out["compact_device"]
     out.update(n=tree.size, c=c, accepted_path=len(path), vocab=V, layers=L)
     return out
@@ -356,17 +350,15 @@ def markdown(report: dict) -> str:
                   ""]
     ov = report.get("overhead")
     if ov:
-        host = ("tree_build", "mask_host", "accept", "compact", "total_host_path")
         dev = ("tree_build", "load_device", "accept_device", "compact_device", "total_device_path")
         lines += [f"Per-step overhead outside forwards at n={ov['n']}, c={ov['c']} (ms):", "",
                   "| path | " + " | ".join(["tree build", "indices + mask", "greedy acceptance", "KV compaction",
                                            "total"]) + " |", "|---" * 6 + "|",
-                  "| host | " + " | ".join(f"{ov[k] * 1e3:.3f}" for k in host) + " |",
                   "| device | " + " | ".join(f"{ov[k] * 1e3:.3f}" for k in dev) + " |", "",
                   f"argmax over [{ov['n']}, {ov['vocab']}] alone: {ov['argmax'] * 1e3:.3f} ms (in both acceptances); "
                   f"TreeAttention.from_tree + visible: {ov['mask_device'] * 1e3:.3f} ms.",
                   f"Acceptance without the big argmax (same tree and path, {ov['n']}-token vocabulary stand-in): "
-                  f"host {ov['walk_host'] * 1e3:.3f} ms, device {ov['walk_device'] * 1e3:.3f} ms.", ""]
+                  f"device {ov['walk_device'] * 1e3:.3f} ms; host-list KV gather {ov['compact'] * 1e3:.3f} ms.", ""]
     lines.append(f"Total wall time {report['elapsed_s']:.1f} s. Random weights: latencies only, no speedups.")
     return "\n".join(lines) + "\n"
 

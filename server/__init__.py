@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server and command line."""
+"""OpenAI-compatible HTTP server: protocol (schemas), serving (endpoint logic), app (routes), scheduler, metrics."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 #: torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -352,6 +352,62 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     bastion: SpecStats | None = None
+
+
+# ---- stream chunks (SSE) ---------------------------------------------------------------------------
+class ChatDelta(BaseModel):
+    """What a chat chunk adds: the role (first chunk), a text delta, or nothing (final chunk)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: ChatDelta) -> dict:
+        return delta.model_dump(exclude_none=True)
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class StreamChunk(BaseModel):
+    """One SSE chunk. `usage` is sent (null until the usage chunk) only when the client asked
+    for it with stream_options.include_usage; `bastion` (the SpecStats) only on the final chunk."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list
+    usage: UsageInfo | None = None
+    bastion: SpecStats | None = None
+
+    def frame(self, include_usage: bool) -> dict:
+        """The JSON object sent in one `data:` frame."""
+        exclude = set() if include_usage else {"usage"}
+        if self.bastion is None:
+            exclude.add("bastion")
+        return self.model_dump(exclude=exclude)
+
+
+class ChatCompletionChunk(StreamChunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChunk(StreamChunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChunkChoice]
 
 
 class ModelCard(BaseModel):

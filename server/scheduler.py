@@ -1,7 +1,9 @@
 """Bounded request queue and the one engine worker thread that owns the model.
 
-The asyncio event loop never runs model code: HTTP handlers `submit` an `EngineRequest`
-and receive its events through the request's `sink` (a thread-safe callable). The worker
+The asyncio event loop never runs model code: HTTP handlers call `generate(prompt_ids,
+params)`, which queues an `EngineRequest` and returns a `GenerationStream`, an async
+iterator over the request's `GenerationEvent`s fed from the worker thread; leaving it
+early (or closing it) cancels the request. The worker
 thread builds the engine (so loading never blocks the loop), times a one-token forward
 for the speedup estimate, then loops: admit waiting requests in arrival order up to
 `max_running`, and advance every running sequence by one `engine.step`. With
@@ -14,6 +16,7 @@ A request whose `cancel()` was called (client gone, shutdown) is finished with
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -22,9 +25,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.engine import Engine, GenerationEvent, Sequence, StepStats
+from engine.accounting import StepStats, StepSummary, summarize
+from engine.engine import Engine, GenerationEvent, ModelInfo, Sequence
 from engine.sampling import SamplingParams
-from server.metrics import MAX_DEPTH_LABEL, ServerMetrics, SpeedupEstimator
+from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,63 @@ class EngineRequest:
         return None if self.steps_at_cancel is None else len(self.steps) - self.steps_at_cancel
 
 
+class GenerationStream:
+    """One queued request's events, as an async iterator (made by `Scheduler.generate`).
+
+    Iterating yields each GenerationEvent in order, the last one with a finish_reason, and
+    raises RequestFailed when the engine failed on the request. `close()` (also on leaving
+    `async with`, or after iterating ends early) cancels a request that has not finished, so
+    an abandoned request runs at most one more step. Use it on the event loop that made it.
+    """
+
+    def __init__(self, request: EngineRequest, queue: asyncio.Queue):
+        self.request = request
+        self._queue = queue
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    def summary(self) -> StepSummary:
+        """The request's speculative figures so far (steps, tau, tree size, token counts)."""
+        return summarize(self.request.steps)
+
+    def __aiter__(self) -> "GenerationStream":
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # the consumer was cancelled while waiting: nobody will read on
+            self.close()
+            raise
+        if isinstance(item, RequestFailed):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def close(self) -> None:
+        """Stop reading; cancel the request unless it has finished (idempotent)."""
+        self._done = True
+        if self.request.finish_reason is None:
+            self.request.cancel()
+
+    async def __aenter__(self) -> "GenerationStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
 class Scheduler:
     """FIFO admission from a bounded queue into at most `max_running` sequences, one worker thread.
 
@@ -105,9 +166,9 @@ class Scheduler:
         self.max_running = max_running
         self.metrics = metrics
         self.engine: Engine | None = None
+        self._info: ModelInfo | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self.speedup = SpeedupEstimator()
         self.recent: deque[EngineRequest] = deque(maxlen=history)
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
@@ -145,6 +206,27 @@ class Scheduler:
         return True
 
     # ---- the HTTP side ---------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """What the HTTP layer may know of the loaded model (None until it is ready)."""
+        return self._info if self.ready.is_set() else None
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, prefix: str = "cmpl") -> GenerationStream:
+        """Queue a request and return its event stream; call it on the event loop that will read it.
+
+        prefix: start of the request id ('chatcmpl', 'cmpl'). Raises NotReadyError or
+        QueueFullError at once (before anything is queued), as `submit` does.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: object) -> None:  # called on the worker thread
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        req = EngineRequest(self.new_id(prefix), list(prompt_ids), params, sink)
+        self.submit(req)
+        return GenerationStream(req, queue)
+
     def submit(self, req: EngineRequest) -> None:
         """Queue a request (thread-safe; never blocks on model work).
 
@@ -183,7 +265,11 @@ class Scheduler:
     def _main(self) -> None:
         try:
             self.engine = self._factory()
-            self.speedup.ar_probe_s = self._time_one_token()
+            self.engine.accounting.ar_probe_s = self._time_one_token()
+            self._info = self.engine.info()
+            if self.metrics is not None:
+                engine = self.engine
+                self.metrics.steps.source = lambda: engine.accounting
         except BaseException as e:  # noqa: BLE001 - reported to /health and the CLI
             log.exception("engine failed to load")
             self.load_error = e
@@ -193,7 +279,7 @@ class Scheduler:
         self.ready.set()
         if self.metrics is not None:
             self.metrics.ready.set(1)
-        log.info("engine ready (one-token forward %.1f ms)", 1e3 * (self.speedup.ar_probe_s or 0))
+        log.info("engine ready (one-token forward %.1f ms)", 1e3 * (self.engine.accounting.ar_probe_s or 0))
         if self.on_ready is not None:
             self.on_ready()
         try:
@@ -293,25 +379,7 @@ class Scheduler:
             self._fail(req, RequestFailed(f"internal error during decoding: {type(e).__name__}"))
             return
         req.steps.append(ev.step)
-        self._record_step(ev.step)
         self._deliver(req, ev)
-
-    def _record_step(self, st: StepStats) -> None:
-        self.speedup.record(st.tree_size, st.accepted, st.draft_s, st.verify_s, st.other_s)
-        m = self.metrics
-        if m is None:
-            return
-        m.drafts.inc()
-        m.draft_tokens.inc(st.tree_size - 1)
-        accepted = min(st.accepted_depth, st.accepted)  # drafted tokens actually committed
-        m.accepted_tokens.inc(accepted)
-        for d in range(1, min(accepted, MAX_DEPTH_LABEL) + 1):
-            m.accepted_per_depth.labels(depth=str(d)).inc()
-        if getattr(getattr(self.engine, "controller", None), "metrics", None) is not m.controller:
-            # The adaptive controller observes these two on its own registry; the fixed modes do not.
-            m.tree_size.observe(st.tree_size)
-            m.accepted_length.observe(st.accepted)
-        m.speedup.set(self.speedup.value())
 
     def _deliver(self, req: EngineRequest, ev: GenerationEvent) -> None:
         now = time.perf_counter()

@@ -13,34 +13,29 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.engine import ContextLengthError, GenerationEvent
+from engine.engine import ContextLengthError, ModelInfo
 from engine.sampling import SamplingParams
-from server.protocol import (APIError, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut,
-                             CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
-                             SpecStats, UsageInfo, parse_request)
-from server.scheduler import EngineRequest, NotReadyError, QueueFullError, RequestFailed, Scheduler
+from server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+                             ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionChunk,
+                             CompletionChunkChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
+                             SpecStats, StreamChunk, UsageInfo, parse_request)
+from server.scheduler import GenerationStream, NotReadyError, QueueFullError, RequestFailed, Scheduler
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def spec_stats(req: EngineRequest) -> SpecStats:
-    """The response's 'bastion' extension from the request's verification steps."""
-    steps = req.steps
-    n = len(steps)
-    return SpecStats(
-        steps=n,
-        tau=round(sum(s.accepted for s in steps) / n, 4) if n else 0.0,
-        mean_tree_size=round(sum(s.tree_size for s in steps) / n, 4) if n else 0.0,
-        draft_tokens=sum(s.tree_size - 1 for s in steps),
-        accepted_tokens=sum(min(s.accepted_depth, s.accepted) for s in steps),
-    )
+def spec_stats(stream: GenerationStream) -> SpecStats:
+    """The response's 'bastion' extension from the request's step summary (engine/accounting.py)."""
+    s = stream.summary()
+    return SpecStats(steps=s.steps, tau=round(s.tau, 4), mean_tree_size=round(s.mean_tree_size, 4),
+                     draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
 
 
 def sse(obj: dict | str) -> str:
@@ -60,7 +55,7 @@ CANCELLED = APIError(503, "the request was cancelled because the server is shutt
 
 
 class OpenAIServing:
-    """The endpoints' logic over one Scheduler.
+    """The endpoints' logic over one Scheduler; it sees the model only as a ModelInfo.
 
     served_model_name: the id clients must send as `model` (None: the target's name once loaded).
     """
@@ -75,22 +70,22 @@ class OpenAIServing:
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def engine(self):
-        """The loaded Engine; raises APIError(503) while the model is loading."""
-        eng = self.scheduler.engine
-        if eng is None or not self.scheduler.ready.is_set():
+    def model(self) -> ModelInfo:
+        """The loaded model's ModelInfo; raises APIError(503) while the model is loading."""
+        info = self.scheduler.model_info
+        if info is None:
             raise APIError(503, "the model is still loading; retry shortly", type="server_error",
                            code="model_not_ready", headers={"Retry-After": "5"})
-        return eng
+        return info
 
     @property
     def model_name(self) -> str:
-        return self._name or self.engine.target.name
+        return self._name or self.model.name
 
     # ---- GET /v1/models --------------------------------------------------------------------
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.engine.max_context())])
+                                         max_model_len=self.model.max_context)])
 
     # ---- shared preparation ----------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -111,15 +106,15 @@ class OpenAIServing:
 
         Raises APIError(400) for a prompt + max_tokens over the context length or an invalid value.
         """
-        eng = self.engine
+        info = self.model
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
-            max_tokens = max(1, eng.max_context() - prompt_len)
+            max_tokens = max(1, info.max_context - prompt_len)
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                                 max_tokens=max_tokens, stop=body.stop_list(), seed=body.seed)
         try:
             params.validate()
-            eng.check_length(prompt_len, max_tokens)
+            info.check_length(prompt_len, max_tokens)
         except ContextLengthError as e:
             raise APIError(400, str(e), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                            code="context_length_exceeded") from None
@@ -127,53 +122,28 @@ class OpenAIServing:
             raise APIError(400, str(e), code="invalid_value") from None
         return params
 
-    def _submit(self, prefix: str, prompt_ids: list[int], params: SamplingParams
-                ) -> tuple[EngineRequest, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: object) -> None:  # called on the worker thread
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        req = EngineRequest(self.scheduler.new_id(prefix), prompt_ids, params, sink)
+    def _generate(self, prefix: str, prompt_ids: list[int], params: SamplingParams) -> GenerationStream:
+        """Queue the request (Scheduler.generate); refusals become their HTTP errors."""
         try:
-            self.scheduler.submit(req)
+            return self.scheduler.generate(prompt_ids, params, prefix)
         except QueueFullError as e:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except NotReadyError as e:
             raise APIError(503, str(e), type="server_error", code="not_ready", headers={"Retry-After": "5"}) from None
-        return req, queue
 
-    @staticmethod
-    async def _events(req: EngineRequest, queue: asyncio.Queue) -> AsyncIterator[GenerationEvent]:
-        """The request's events until the one with a finish_reason; cancels the request if abandoned.
-
-        Raises RequestFailed when the engine failed on this request.
-        """
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, RequestFailed):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if req.finish_reason is None:
-                req.cancel()
-
-    async def _run_unary(self, req: EngineRequest, queue: asyncio.Queue, http: Request) -> tuple[str, int, str]:
+    async def _run_unary(self, stream: GenerationStream, http: Request) -> tuple[str, int, str]:
         """Collect (text, completion tokens, finish_reason), cancelling if the client disconnects.
 
         Raises APIError on engine failure or shutdown cancellation.
         """
         async def collect():
             parts, n, finish = [], 0, None
-            async for ev in self._events(req, queue):
-                parts.append(ev.text)
-                n += len(ev.token_ids)
-                finish = ev.finish_reason
+            async with stream:
+                async for ev in stream:
+                    parts.append(ev.text)
+                    n += len(ev.token_ids)
+                    finish = ev.finish_reason
             return "".join(parts), n, finish
 
         task = asyncio.ensure_future(collect())
@@ -184,7 +154,7 @@ class OpenAIServing:
             watch.cancel()
             if not task.done():
                 task.cancel()
-                req.cancel()
+                stream.close()
         if task not in done:  # the client is gone; nobody reads this
             raise APIError(499, "client disconnected", code="client_disconnected")
         try:
@@ -195,109 +165,96 @@ class OpenAIServing:
             raise CANCELLED
         return text, n, finish
 
+    async def _stream_frames(self, stream: GenerationStream, include_usage: bool, first: StreamChunk | None,
+                             text_chunk: Callable[[str], StreamChunk],
+                             final_chunk: Callable[[str, SpecStats], StreamChunk],
+                             usage_chunk: Callable[[UsageInfo], StreamChunk]) -> AsyncIterator[str]:
+        """SSE frames: `first` (may be None), one per text delta, the finish chunk with the
+        'bastion' stats, the usage chunk when asked, then [DONE]; or an error frame and the end."""
+        n = 0
+        async with stream:  # a client that leaves before the end cancels the request
+            try:
+                if first is not None:
+                    yield sse(first.frame(include_usage))
+                async for ev in stream:
+                    n += len(ev.token_ids)
+                    if ev.finish_reason == "cancelled":
+                        yield sse(CANCELLED.envelope())
+                        return
+                    if ev.text:
+                        yield sse(text_chunk(ev.text).frame(include_usage))
+                    if ev.finish_reason is not None:
+                        yield sse(final_chunk(ev.finish_reason, spec_stats(stream)).frame(include_usage))
+            except RequestFailed as e:
+                yield sse(failure_to_api_error(e).envelope())
+                return
+        if include_usage:
+            p = stream.prompt_tokens
+            yield sse(usage_chunk(UsageInfo(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)).frame(True))
+        yield sse("[DONE]")
+
     # ---- POST /v1/chat/completions ---------------------------------------------------------
     async def chat(self, raw: bytes, http: Request):
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
         self._check_model(body.model)
-        eng = self.engine
+        info = self.model
         messages = [m.as_template_dict() for m in body.messages]
-        prompt_ids = await self._tokenize(eng.chat_prompt_ids, messages)
+        prompt_ids = await self._tokenize(info.encode_chat, messages)
         params = self._params(body, len(prompt_ids))
-        req, queue = self._submit("chatcmpl", prompt_ids, params)
+        stream = self._generate("chatcmpl", prompt_ids, params)
         model, created = self.model_name, int(time.time())
+        rid = stream.request_id
         if body.stream:
-            gen = self._chat_stream(req, queue, model, created, body.include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, "X-Request-Id": req.request_id})
-        text, n, finish = await self._run_unary(req, queue, http)
+            def chunk(delta: ChatDelta, finish: str | None = None, stats: SpecStats | None = None):
+                return ChatCompletionChunk(id=rid, created=created, model=model, bastion=stats,
+                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+
+            gen = self._stream_frames(
+                stream, body.include_usage,
+                first=chunk(ChatDelta(role="assistant", content="")),
+                text_chunk=lambda t: chunk(ChatDelta(content=t)),
+                final_chunk=lambda f, stats: chunk(ChatDelta(), f, stats),
+                usage_chunk=lambda u: ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=u))
+            return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
+        text, n, finish = await self._run_unary(stream, http)
         resp = ChatCompletionResponse(
-            id=req.request_id, created=created, model=model,
+            id=rid, created=created, model=model,
             choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)],
             usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n),
-            bastion=spec_stats(req),
+            bastion=spec_stats(stream),
         )
-        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": req.request_id})
-
-    def _chat_stream(self, req: EngineRequest, queue: asyncio.Queue, model: str, created: int,
-                     include_usage: bool) -> AsyncIterator[str]:
-        head = {"id": req.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-
-        def chunk(delta: dict, finish: str | None = None, **extra) -> dict:
-            out = {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-            if include_usage:
-                out["usage"] = None
-            return {**out, **extra}
-
-        return self._stream_frames(
-            req, queue, include_usage,
-            first=chunk({"role": "assistant", "content": ""}),
-            text_chunk=lambda t: chunk({"content": t}),
-            final_chunk=lambda f, stats: chunk({}, f, bastion=stats),
-            usage_chunk=lambda u: {**head, "choices": [], "usage": u})
-
-    async def _stream_frames(self, req, queue, include_usage, first, text_chunk, final_chunk, usage_chunk
-                             ) -> AsyncIterator[str]:
-        """SSE frames: `first` (may be None), one per text delta, the finish chunk with the
-        'bastion' stats, the usage chunk when asked, then [DONE]; or an error frame and the end."""
-        n = 0
-        try:
-            if first is not None:
-                yield sse(first)
-            async for ev in self._events(req, queue):
-                n += len(ev.token_ids)
-                if ev.finish_reason == "cancelled":
-                    yield sse(CANCELLED.envelope())
-                    return
-                if ev.text:
-                    yield sse(text_chunk(ev.text))
-                if ev.finish_reason is not None:
-                    yield sse(final_chunk(ev.finish_reason, spec_stats(req).model_dump()))
-        except RequestFailed as e:
-            yield sse(failure_to_api_error(e).envelope())
-            return
-        finally:
-            if req.finish_reason is None:  # the client left before the end (even before the first event)
-                req.cancel()
-        if include_usage:
-            p = len(req.prompt_ids)
-            yield sse(usage_chunk({"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}))
-        yield sse("[DONE]")
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": rid})
 
     # ---- POST /v1/completions --------------------------------------------------------------
     async def completion(self, raw: bytes, http: Request):
         body: CompletionRequest = parse_request(CompletionRequest, raw)
         self._check_model(body.model)
-        eng = self.engine
-        prompt_ids = await self._tokenize(lambda p: list(eng.tokenizer(p)["input_ids"]), body.prompt)
+        info = self.model
+        prompt_ids = await self._tokenize(info.encode_text, body.prompt)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._params(body, len(prompt_ids))
-        req, queue = self._submit("cmpl", prompt_ids, params)
+        stream = self._generate("cmpl", prompt_ids, params)
         model, created = self.model_name, int(time.time())
+        rid = stream.request_id
         if body.stream:
-            def chunk(text: str, finish: str | None = None, **extra) -> dict:
-                out = {"id": req.request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-                if body.include_usage:
-                    out["usage"] = None
-                out.update(extra)
-                return out
+            def chunk(text: str, finish: str | None = None, stats: SpecStats | None = None):
+                return CompletionChunk(id=rid, created=created, model=model, bastion=stats,
+                                       choices=[CompletionChunkChoice(text=text, finish_reason=finish)])
 
             gen = self._stream_frames(
-                req, queue, body.include_usage, first=None, text_chunk=chunk,
-                final_chunk=lambda f, stats: chunk("", f, bastion=stats),
-                usage_chunk=lambda u: {"id": req.request_id, "object": "text_completion", "created": created,
-                                       "model": model, "choices": [], "usage": u})
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, "X-Request-Id": req.request_id})
-        text, n, finish = await self._run_unary(req, queue, http)
+                stream, body.include_usage, first=None, text_chunk=chunk,
+                final_chunk=lambda f, stats: chunk("", f, stats),
+                usage_chunk=lambda u: CompletionChunk(id=rid, created=created, model=model, choices=[], usage=u))
+            return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, "X-Request-Id": rid})
+        text, n, finish = await self._run_unary(stream, http)
         resp = CompletionResponse(
-            id=req.request_id, created=created, model=model,
+            id=rid, created=created, model=model,
             choices=[CompletionChoice(text=text, finish_reason=finish)],
             usage=UsageInfo(prompt_tokens=len(prompt_ids), completion_tokens=n, total_tokens=len(prompt_ids) + n),
-            bastion=spec_stats(req),
+            bastion=spec_stats(stream),
         )
-        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": req.request_id})
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": rid})
 
 
 async def _wait_disconnect(http: Request) -> None:

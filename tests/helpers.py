@@ -1,11 +1,26 @@
-"""Test doubles: an oracle drafter that proposes a known continuation, and a tiny random target."""
+"""Test doubles (an oracle drafter that proposes a known continuation, a tiny random target) and
+`expand`, which materialises any proposal through the one tree builder."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from drafting.base import Drafter, Marginals
+from drafting.base import Drafter
+from drafting.proposal import CandidateTree, Marginals, Proposal
+from engine.tree import FixedBudgetPolicy, build_tree
+
+
+def expand(proposal: Proposal, cap: int, max_depth: int, top_k: int | None = None) -> CandidateTree:
+    """The best-first top-`cap` candidates of `proposal` (root excluded) as a CandidateTree,
+    grown by `engine.tree.build_tree`: tokens in insertion order, parents as candidate
+    indices (-1 for the root's children), logprobs the conditional log-scores."""
+    tree = build_tree(-1, proposal, FixedBudgetPolicy(cap + 1, top_k=top_k), max_depth)
+    par = tree.parents.tolist()
+    logs = tree.log_scores.tolist()
+    cond = [logs[i] - logs[par[i]] for i in range(1, tree.size)]
+    return CandidateTree(tokens=tree.tokens[1:].clone(), parents=tree.parents[1:] - 1,
+                         logprobs=torch.tensor(cond, dtype=torch.float32))
 
 
 class OracleDrafter(Drafter):

@@ -21,13 +21,13 @@ from engine.attention import (
     installed_backend,
     merge_attention,
     random_tree_parents,
-    reference_tree_attention,
     select_backend,
     split_tree_attention,
     torch_prefix_attention,
     tree_kwargs,
 )
-from engine.tree import Tree, ancestor_matrix, tree_attention_mask
+from engine.tree import Tree
+from reference import ancestor_matrix, reference_tree_attention, tree_attention_mask
 from engine.verifier import target_forward
 
 # (n_q, n_kv, head_dim): Qwen3-8B and Llama-3.1-8B are both 32 q / 8 kv heads of 128; scaled head dims.

@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from bench import report
 from bench.datasets import DatasetUnavailable
-from bench.modes import EngineMode, Measurement, build_modes, expand_modes, resolve_drafter
+from bastion.factory import resolve_drafter
+from bench.modes import EngineMode, Measurement, build_modes, expand_modes
 from bench.runner import BenchSettings, ResumeMismatch, char_encoder, load_prompt_sets, run_bench
 from helpers import tiny_target
 
@@ -40,12 +41,12 @@ def _bastion(tiny_drafter_pair):
     from controller.ceilings import Ceilings
     from controller.latency_model import LatencyModel, LatencyParams
     from controller.policy import PolicySettings
-    from controller.runtime import EngineController
+    from controller.budget import BudgetController
 
     target, drafter = tiny_drafter_pair
     shape = ModelShape.from_config(target.config, target.dtype)
     model = LatencyModel(shape, Ceilings(50e9, 10e9, "synthetic"), LatencyParams(1.0, 1e-4, 1.0, 1e-4))
-    return lambda surrogate_correction=True: EngineController(
+    return lambda surrogate_correction=True: BudgetController(
         model, PolicySettings(1, 16, 1, 16), registry=CollectorRegistry(), max_depth=drafter.max_depth,
         surrogate_correction=surrogate_correction)
 
@@ -261,7 +262,8 @@ def test_cli_without_drafter_skips_speculative_modes(monkeypatch, tmp_path, tiny
     """`bastion bench` wiring: flags parse, no drafter -> speculative modes skipped and recorded."""
     import argparse
 
-    from bench import cli, runner
+    from bastion import bench as cli
+    from bench import runner
 
     target, _ = tiny
     monkeypatch.setattr("engine.loader.load_target", lambda *a, **k: target)

@@ -2,7 +2,7 @@
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
 from controller.latency_model import LatencyModel, LatencyParams
-from engine.calibrate_cli import measure_surrogate
+from bastion.calibrate import measure_surrogate
 from helpers import tiny_target
 
 

@@ -9,7 +9,7 @@ from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
 from controller.latency_model import LatencyModel, LatencyParams
 from controller.policy import CPU_SETTINGS, GPU_SETTINGS, AdaptivePolicy, PolicySettings, default_settings
-from drafting.base import Marginals
+from drafting.proposal import Marginals
 from engine.tree import FixedBudgetPolicy, build_tree
 
 DEPTH, K, MAX = 8, 12, 80

@@ -286,7 +286,7 @@ def test_every_panel_has_a_query_and_uses_only_defined_variables(path):
             assert metric_names(t["expr"]), f"{p['title']}: the query reads no bastion metric"
 
 
-def test_dashboard_covers_the_issue_panels():
+def test_dashboard_covers_the_required_panels():
     titles = " | ".join(p["title"].lower() for d in load_dashboards() for p in iter_panels(d["panels"]))
     for words in ("speedup", "accepted length", "per depth", "tree size", "predicted vs measured", "fit error",
                   "latency table", "tokens/s", "time to first token", "inter-token", "running / waiting",

@@ -68,7 +68,7 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.1):
 def speculative_engine(target, registry):
     """Engine in mode bastion: suffix drafter, adaptive controller on `registry`, quick calibration."""
     from controller.calibration import CalibrationGrid, calibrate
-    from controller.runtime import EngineController
+    from controller.budget import BudgetController
     from drafting.suffix import SuffixDrafter
     from engine.engine import Engine
     from engine.timing import verify_timer
@@ -79,7 +79,7 @@ def speculative_engine(target, registry):
                            CalibrationGrid((1, 4, 16, 64), (32, 128)), model_name=f"{target.name}-deploy-test",
                            cache_dir=cache, warmup=1, repeats=2, time_budget_s=3.0, progress=False)
     # table_every=4: the latency-table gauge appears after 4 steps rather than 16.
-    controller = EngineController.from_calibration(result, None, "cpu", registry=registry,
+    controller = BudgetController.from_calibration(result, None, "cpu", registry=registry,
                                                     max_depth=drafter.max_depth, table_every=4)
     return Engine(target, drafter, controller)
 

@@ -1,4 +1,4 @@
-"""The published DFlash checkpoint format: write, load, parse, and reject mismatches (SPEC section 2)."""
+"""The published DFlash checkpoint format: write, load, parse, and reject mismatches (docs/method.md, section 2)."""
 from __future__ import annotations
 
 import json
@@ -47,7 +47,7 @@ def test_published_qwen3_8b_config_builds_right_shapes_on_meta():
     assert sd["layers.0.self_attn.q_norm.weight"].shape == (128,)
     assert sd["layers.4.mlp.down_proj.weight"].shape == (4096, 12288)
     n = sum(v.numel() for v in sd.values())
-    assert 1.0e9 < n < 1.1e9  # about 1.05 B parameters (SPEC section 2)
+    assert 1.0e9 < n < 1.1e9  # about 1.05 B parameters (docs/method.md, section 2)
 
 
 def test_default_target_layer_ids():

@@ -84,12 +84,12 @@ def synthetic_controller():
     from controller.cost_model import ModelShape
     from controller.latency_model import LatencyModel, LatencyParams
     from controller.policy import PolicySettings
-    from controller.runtime import EngineController
+    from controller.budget import BudgetController
 
     shape = ModelShape(layers=30, hidden=576, n_q=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152,
                        bytes_per_param=4, tied_embeddings=True)
     model = LatencyModel(shape, Ceilings(60e9, 12e9, "synthetic cpu"), LatencyParams(1.6, 4e-3, 1.3, 6e-3))
-    return EngineController(model, PolicySettings(1, 256, 1, 64), registry=CollectorRegistry())
+    return BudgetController(model, PolicySettings(1, 256, 1, 64), registry=CollectorRegistry())
 
 
 def test_bastion_mode_equals_ar(target_f32, random_drafter, references):

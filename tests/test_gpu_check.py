@@ -33,7 +33,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert cal["datasheet"] is None  # a CPU has no datasheet entry
     assert all(r["seconds"] > 0 for r in saved["drafter"])
     ov = saved["overhead"]
-    assert ov["n"] == 64 and ov["accepted_path"] >= 2 and ov["total_host_path"] > 0
+    assert ov["n"] == 64 and ov["accepted_path"] >= 2 and ov["total_device_path"] > 0
     assert ov["total_device_path"] > 0 and ov["accept_device"] > 0 and ov["load_device"] > 0
     assert "| device |" in md
     assert "| backend |" in md and "Verification latency" in md and "Calibration" in md

@@ -9,7 +9,8 @@ from engine.attention import random_tree_parents
 from engine.greedy_device import accept_greedy_device
 from engine.tree import Tree
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import accept_greedy, compact_cache
+from engine.verifier import compact_cache
+from reference import accept_greedy
 
 #: Tensor methods that read a value back to the host (a device sync on CUDA).
 HOST_READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero",

@@ -1,4 +1,4 @@
-"""DFlash + suffix hybrid drafter (issue 9): merges against brute force, state handling, well-formed proposals."""
+"""DFlash + suffix hybrid drafter: the lazy merge against brute force, state handling, well-formed proposals."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
-from drafting.base import CandidateTree, Drafter, Marginals
-from drafting.hybrid import HybridDrafter, merge_trees, mix_depth, suffix_depth_marginals
-from drafting.suffix import SuffixDrafter
+from drafting.base import Drafter
+from drafting.proposal import CandidateTree, Marginals
+from drafting.hybrid import HybridDrafter, MergedTrie
+from drafting.suffix import SuffixDrafter, SuffixTrie
 from engine.tree import ChainPolicy, FixedBudgetPolicy, build_tree
+from helpers import expand
 
 
 class FixedMarginals(Drafter):
@@ -115,71 +117,57 @@ def paths_of(ct: CandidateTree) -> dict[tuple[int, ...], float]:
 
 @pytest.mark.parametrize("use_max", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_merge_trees_is_best_first_over_the_brute_force_union(use_max, seed):
+def test_merge_is_best_first_over_the_brute_force_union(use_max, seed):
     rng = random.Random(seed)
     D, K, vocab, depth, cap = 3, 3, 6, 4, 12
     marg = random_marginals(D, K, vocab, rng)
     ct = random_suffix_tree(8, depth, vocab, rng)
     full = merged_conditionals(marg, ct, use_max, 0.6, depth)
-    got = paths_of(merge_trees(marg, ct, use_max, 0.6, cap, depth))
+    got = paths_of(expand(MergedTrie(marg, ct.source(), use_max, 0.6), cap, depth))
     for p, s in got.items():  # every node's score is its merged path score
         assert s == pytest.approx(full[p], abs=1e-5)
-    best_first = sorted(full.values(), reverse=True)[:cap]
-    # The first `cap` nodes are the top-`cap` paths; the rest is the top-1 chain completion.
-    top = sorted(got.values(), reverse=True)
-    assert len(got) >= min(cap, len(full))
-    assert top[:cap] == pytest.approx(best_first[:len(top[:cap])], abs=1e-5)
-    # Chain completion: following the best child from the root reaches the full depth.
-    path: tuple[int, ...] = ()
-    while len(path) < depth:
-        kids = {p: s for p, s in full.items() if len(p) == len(path) + 1 and p[:-1] == path}
-        if not kids:
-            break
-        path = max(kids, key=kids.get)
-        assert path in got
-    assert len(path) == depth or not any(len(p) == len(path) + 1 and p[:-1] == path for p in full)
+    # The builder's `cap` nodes are exactly the top-`cap` paths of the union.
+    assert len(got) == min(cap, len(full))
+    assert sorted(got.values(), reverse=True) == pytest.approx(sorted(full.values(), reverse=True)[:cap], abs=1e-5)
 
 
-def test_merge_trees_whole_tree_when_cap_is_large():
+def test_merge_whole_tree_when_cap_is_large():
     rng = random.Random(7)
     marg = random_marginals(2, 2, 5, rng)
     ct = random_suffix_tree(5, 3, 5, rng)
     full = merged_conditionals(marg, ct, False, 0.5, 3)
-    got = paths_of(merge_trees(marg, ct, False, 0.5, 1000, 3))
+    got = paths_of(expand(MergedTrie(marg, ct.source(), False, 0.5), 1000, 3))
     assert set(got) == set(full)
 
 
-def test_merge_respects_max_depth_and_feeds_build_tree():
+def test_merge_respects_max_depth_and_the_chain_reaches_full_depth():
     rng = random.Random(3)
     marg = random_marginals(4, 8, 50, rng)
     ct = random_suffix_tree(20, 6, 50, rng)
-    got = merge_trees(marg, ct, False, 0.5, 32, 2)
-    assert max(len(p) for p in paths_of(got)) <= 2
-    tree = build_tree(99, got, FixedBudgetPolicy(16), 2)
+    merged = MergedTrie(marg, ct.source(), False, 0.5)
+    tree = build_tree(99, merged, FixedBudgetPolicy(16), 2)
     assert tree.size == 16 and int(tree.depths.max()) <= 2
-    # Small cap, deep chain: the completed top-1 chain reaches the deepest depth with children.
-    chain = build_tree(99, merge_trees(marg, ct, False, 0.5, 3, 4), ChainPolicy(max_nodes=5), 4)
+    # The chain (top-1 child per node) needs no completion: the lazy source always has a next row.
+    chain = build_tree(99, merged, ChainPolicy(max_nodes=5), 4)
     assert chain.depths.tolist() == list(range(5))
+    full = merged_conditionals(marg, ct, False, 0.5, 4)
+    path: tuple[int, ...] = ()
+    for tok in chain.tokens[1:].tolist():  # each chain node is its parent's best child
+        kids = {p: v for p, v in full.items() if len(p) == len(path) + 1 and p[:-1] == path}
+        assert path + (tok,) == max(kids, key=kids.get)
+        path = path + (tok,)
 
 
-def test_mix_depth_against_hand_computation():
-    marg = Marginals(torch.tensor([[1, 2, 3], [4, 5, 6]]),
-                     torch.log(torch.tensor([[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]])))
-    # Suffix tree: 2 (0.8) -> 9 (1.0); 7 (0.2) -> 4 (0.5).
-    ct = CandidateTree(torch.tensor([2, 7, 9, 4]), torch.tensor([-1, -1, 0, 1]),
-                       torch.log(torch.tensor([0.8, 0.2, 1.0, 0.5])))
-    m = suffix_depth_marginals(ct)
-    assert m[0] == pytest.approx({2: 0.8, 7: 0.2}) and m[1] == pytest.approx({9: 0.8, 4: 0.1})
-    out = mix_depth(marg, ct, 0.5)
-    assert out.token_ids.shape == (2, 3)
-    row0 = dict(zip(out.token_ids[0].tolist(), out.logprobs[0].exp().tolist()))
-    assert row0 == pytest.approx({2: 0.55, 1: 0.25, 7: 0.1})
-    row1 = dict(zip(out.token_ids[1].tolist(), out.logprobs[1].exp().tolist()))
-    assert row1 == pytest.approx({9: 0.4, 4: 0.35, 5: 0.1})
-    assert (out.logprobs[:, :-1] >= out.logprobs[:, 1:]).all()
+def test_tree_size_is_the_policy_s_alone():
+    """Neither drafter caps the tree: a budget beyond the old 64-candidate cap is filled."""
+    rng = random.Random(11)
+    marg = random_marginals(6, 32, 200, rng)
+    ct = random_suffix_tree(30, 6, 200, rng)
+    tree = build_tree(1, MergedTrie(marg, ct.source(), False, 0.9), FixedBudgetPolicy(200), 6)
+    assert tree.size == 200
 
 
-@pytest.mark.parametrize("merge", ["mix-tree", "max-tree", "mix-depth"])
+@pytest.mark.parametrize("merge", ["mix-tree", "max-tree"])
 def test_hybrid_state_flow_and_fallback(merge):
     rng = random.Random(0)
     marg = random_marginals(5, 4, 40, rng)
@@ -196,7 +184,7 @@ def test_hybrid_state_flow_and_fallback(merge):
     assert fd.calls[-1] == (30, 5)
     # A match: root 2 is followed by 3, 4 in the context.
     p = h.propose(st, 2, 8)
-    assert isinstance(p, Marginals if merge == "mix-depth" else CandidateTree)
+    assert isinstance(p, MergedTrie) and p.use_max == (merge == "max-tree")
     tree = build_tree(2, p, FixedBudgetPolicy(64), 8)
     assert tree.tokens[1:].tolist().count(3) >= 1
     assert st.proposals == 2 and st.merged == 1
@@ -212,7 +200,7 @@ def test_hybrid_skips_dflash_on_long_matches():
     st = h.new_state()
     h.extend(st, [5, 6, 7, 8, 9, 5, 6], torch.zeros(7, 3))
     p = h.propose(st, 7, 4)  # match "5 6 7" (3 tokens): suffix alone, DFlash not called
-    assert isinstance(p, CandidateTree) and p.tokens.tolist()[:2] == [8, 9]
+    assert isinstance(p, SuffixTrie) and expand(p, 64, 4).tokens.tolist()[:2] == [8, 9]
     assert fd.calls == [] and st.skipped == 1
     h.extend(st, [7], torch.zeros(1, 3))
     h.propose(st, 1, 4)  # no match: DFlash runs and sees every pending feature row
@@ -248,9 +236,10 @@ def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_dr
     for root in ids[-12:]:  # roots that occur in the context: the suffix index matches
         for depth in (15, 4):
             p = h.propose(st, root, depth)
-            assert isinstance(p, CandidateTree)
-            toks, pars, lps = p.tokens.tolist(), p.parents.tolist(), p.logprobs.tolist()
-            assert len(toks) <= h.max_candidates + depth
+            assert isinstance(p, MergedTrie)
+            ct = expand(p, 64, depth)
+            toks, pars, lps = ct.tokens.tolist(), ct.parents.tolist(), ct.logprobs.tolist()
+            assert len(toks) == 64
             seen, dep = set(), []
             for i, (t, q) in enumerate(zip(toks, pars)):
                 assert -1 <= q < i and (q, t) not in seen
@@ -263,10 +252,10 @@ def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_dr
 
 
 def test_factory_specs_resolve_to_the_hybrid(target_f32, random_drafter, tmp_path):
-    """'suffix' and 'X+suffix' through engine.factory.load_drafter (X: a DFlash folder)."""
+    """'suffix' and 'X+suffix' through bastion.factory.load_drafter (X: a DFlash folder)."""
     from drafting.dflash import save_dflash
     from drafting.hybrid import DEFAULT_MERGE
-    from engine.factory import load_drafter
+    from bastion.factory import load_drafter
 
     assert isinstance(load_drafter("suffix", target_f32), SuffixDrafter)
     save_dflash(random_drafter.model, tmp_path / "d")
@@ -287,13 +276,14 @@ def test_propose_cheap_is_the_suffix_tree_alone_and_keeps_dflash_state():
     hyb.extend(st, ctx, torch.zeros(len(ctx), 3))
     assert hyb.propose_cheap(st, 42, 4) is None  # 42 never occurred: nothing to offer
     cheap = hyb.propose_cheap(st, 9, 4)  # ... 9 10 11 7 8 seen before: the suffix continues it
-    assert isinstance(cheap, CandidateTree) and dfl.calls == []
-    assert cheap.tokens.tolist()[:1] == [10]
+    assert isinstance(cheap, SuffixTrie) and dfl.calls == []
+    got = expand(cheap, 64, 4)
+    assert got.tokens.tolist()[:1] == [10]
     ref = SuffixDrafter(max_depth=4)
     rs = ref.new_state()
     ref.extend(rs, ctx, None)
-    want = ref.propose(rs, 9, 4)
-    assert cheap.tokens.tolist() == want.tokens.tolist() and cheap.parents.tolist() == want.parents.tolist()
+    want = expand(ref.propose(rs, 9, 4), 64, 4)
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
     hyb.extend(st, [9], torch.zeros(1, 3))
     hyb.propose(st, 10, 4)
     assert dfl.calls == [(10, 4)] and st.dflash["features"] == len(ctx) + 1

@@ -7,8 +7,8 @@ import pytest
 
 from bench import datasets
 from bench.datasets import benchmark_texts, load_dataset
-from drafting import prompts
-from drafting.prompts import (
+from training import prompts
+from training.prompts import (
     normalized_words,
     overlapping_prompts,
     stdlib_entries,

@@ -11,7 +11,7 @@ import engine.engine as engine_mod
 from drafting.dflash import random_dflash
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams, processed_probs
-from engine.verifier import accept_greedy
+from reference import accept_greedy
 from helpers import ShuffledMarginalsDrafter, tiny_target
 
 PROMPT = [1, 5, 2, 7]

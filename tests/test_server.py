@@ -416,7 +416,7 @@ def test_engine_failure_is_500_without_trace_and_server_survives(live, monkeypat
     assert live.metric("bastion_requests_total", finish_reason="error") == errors_before + 2
     monkeypatch.undo()
     # A bug in the scheduler's own bookkeeping fails that request only; the worker keeps serving.
-    monkeypatch.setattr(live.scheduler, "_record_step", broken_step)
+    monkeypatch.setattr(live.scheduler, "_deliver", lambda req, ev: broken_step(None))
     r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     monkeypatch.undo()
@@ -537,4 +537,4 @@ def test_speculative_engine_matches_ar_and_reports_stats(live, target_f32, rando
                     for k in range(1, 16))
     assert per_depth == stats["accepted_tokens"]
     speedup = registry.get_sample_value("bastion_estimated_speedup")
-    assert speedup == pytest.approx(app.state.scheduler.speedup.value()) and 0 < speedup
+    assert speedup == pytest.approx(app.state.scheduler.engine.accounting.speedup()) and 0 < speedup

@@ -1,10 +1,10 @@
-"""Server pieces that need no model: request validation, error envelope, SSE framing, speedup estimate."""
+"""Server pieces that need no model: request validation, error envelope, SSE framing, stream chunks."""
 import json
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from server.metrics import SpeedupEstimator, server_metrics
+from server.metrics import server_metrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from server.serving import sse
 
@@ -68,16 +68,6 @@ def test_sse_frames():
     assert frame == 'data: {"a":"é"}\n\n'
 
 
-def test_speedup_estimator():
-    est = SpeedupEstimator(ar_probe_s=0.010)
-    assert est.value() == 1.0  # no speculative step yet
-    est.record(16, 3, draft_s=0.002, verify_s=0.015, other_s=0.003)  # 3 tokens in 20 ms
-    assert est.value() == pytest.approx(3 * 0.010 / 0.020)  # probe used as AR time
-    est.record(1, 1, draft_s=0.0, verify_s=0.008, other_s=0.001)  # a root-only step replaces the probe
-    assert est.ar_step_s == pytest.approx(0.008)
-    assert est.value() == pytest.approx(3 * 0.008 / 0.020)
-
-
 def test_server_metrics_once_per_registry():
     reg = CollectorRegistry()
     assert server_metrics(reg) is server_metrics(reg)  # no duplicate registration
@@ -92,7 +82,7 @@ def test_server_metrics_once_per_registry():
 def test_serve_flags_read_environment_and_command_line_wins(monkeypatch):
     import argparse
 
-    from server.serve import add_arguments
+    from bastion.serve import add_arguments
 
     for k, v in {"HOST": "0.0.0.0", "PORT": "9001", "API_KEY": "sk-env", "MAX_QUEUE": "3", "MAX_RUNNING": "2",
                  "SERVED_MODEL_NAME": "m", "MAX_BODY_BYTES": "1000", "SHUTDOWN_TIMEOUT": "2.5", "MODE": "ar"}.items():
@@ -112,3 +102,25 @@ def test_serve_flags_read_environment_and_command_line_wins(monkeypatch):
     add_arguments(p)  # building the parser never fails on a bad environment value...
     with pytest.raises(SystemExit):
         p.parse_args([])  # ...parsing reports it as a usage error
+
+
+def test_stream_chunks_are_typed_and_framed_like_openai():
+    from server.protocol import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChunk,
+                                 CompletionChunkChoice, SpecStats, UsageInfo)
+
+    first = ChatCompletionChunk(id="c1", created=5, model="m", choices=[ChatChunkChoice(
+        delta=ChatDelta(role="assistant", content=""))])
+    assert first.frame(False) == {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+                                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "finish_reason": None, "logprobs": None}]}
+    stats = SpecStats(steps=2, tau=1.5, mean_tree_size=4.0, draft_tokens=6, accepted_tokens=1)
+    final = ChatCompletionChunk(id="c1", created=5, model="m", bastion=stats,
+                                choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason="stop")])
+    frame = final.frame(True)
+    assert frame["choices"][0]["delta"] == {} and frame["usage"] is None and frame["bastion"]["tau"] == 1.5
+    usage = ChatCompletionChunk(id="c1", created=5, model="m", choices=[],
+                                usage=UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5))
+    assert usage.frame(True)["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    text = CompletionChunk(id="t", created=1, model="m", choices=[CompletionChunkChoice(text="hi")])
+    assert text.frame(False) == {"id": "t", "object": "text_completion", "created": 1, "model": "m",
+                                 "choices": [{"index": 0, "text": "hi", "finish_reason": None, "logprobs": None}]}

@@ -27,7 +27,7 @@ def bastion_cmd() -> list[str]:
     if exe.exists():
         return [str(exe)]
     found = shutil.which("bastion")
-    return [found] if found else [sys.executable, "-m", "server.cli"]
+    return [found] if found else [sys.executable, "-m", "bastion.cli"]
 
 
 def stream_chat(url: str, max_tokens: int, out: dict, started: threading.Event) -> None:

@@ -1,4 +1,4 @@
-"""Suffix index and suffix drafter (issue 9): counts, incrementality, global eviction, tree form."""
+"""Suffix index and suffix drafter: counts, incrementality, global eviction, the lazy trie."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,15 @@ import random
 import pytest
 import torch
 
-from drafting.base import CandidateTree
-from drafting.suffix import SuffixDrafter, empty_candidate_tree
+from drafting.proposal import CandidateTree
+from drafting.suffix import SuffixDrafter, SuffixTrie
 from drafting.suffix_index import SEPARATOR, GlobalSuffixIndex, SuffixAutomaton
 from engine.tree import FixedBudgetPolicy, build_tree
+from helpers import expand
+
+
+#: Candidates materialised per proposal in these tests (the old suffix node cap).
+CAP = 64
 
 
 # -- brute-force references -------------------------------------------------------------
@@ -196,8 +201,8 @@ def test_drafter_hand_made_tree():
     st = d.new_state()
     text = [1, 2, 3, 1, 2, 4, 1, 2, 3, 0, 1]
     d.extend(st, text, None)
-    ct = d.propose(st, root=2, max_depth=4)  # context ".. 0 1 2": longest match "1 2"
-    assert_well_formed(ct, 4, d.max_candidates)
+    ct = expand(d.propose(st, root=2, max_depth=4), CAP, 4)  # context ".. 0 1 2": longest match "1 2"
+    assert_well_formed(ct, 4, CAP)
     paths = tree_paths(ct)
     assert ct.tokens[0].item() == 3 and ct.parents[0].item() == -1  # most frequent first
     assert paths[(3,)] == pytest.approx(math.log(2 / 3))
@@ -216,7 +221,7 @@ def test_recent_wins_ties():
     d = SuffixDrafter(max_depth=2)
     st = d.new_state()
     d.extend(st, [5, 1, 5, 2, 5, 3], None)
-    ct = d.propose(st, root=5, max_depth=2)
+    ct = expand(d.propose(st, root=5, max_depth=2), CAP, 2)
     # 5 -> 1, 5 -> 2, 5 -> 3 once each: the most recent (3) comes first.
     assert ct.tokens[:3].tolist() == [3, 2, 1]
     assert ct.parents[:3].tolist() == [-1, -1, -1]
@@ -228,10 +233,10 @@ def test_drafter_matches_brute_force_paths():
     for _ in range(10):
         text = random_text(rng, 200, 5)
         root = rng.randrange(5)
-        d = SuffixDrafter(max_depth=3, max_candidates=10_000, max_match_len=6)
+        d = SuffixDrafter(max_depth=3, max_match_len=6)
         st = d.new_state()
         d.extend(st, text, None)
-        ct = d.propose(st, root, max_depth=3)
+        ct = expand(d.propose(st, root, max_depth=3), 10_000, 3)
         window = (text + [root])[-6:]
         k = naive_match_len(text, window)
         want = naive_paths(text, window[-k:], 3) if k else {}
@@ -244,16 +249,16 @@ def test_drafter_matches_brute_force_paths():
 def test_drafter_incremental_equals_rebuild_outputs():
     rng = random.Random(5)
     text = random_text(rng, 1500, 12)
-    d = SuffixDrafter(max_depth=6, max_candidates=32, max_match_len=16)
+    d = SuffixDrafter(max_depth=6, max_match_len=16)
     inc = d.new_state()
     d.extend(inc, text[:100], None)
     pos = 100
     while pos < len(text) - 1:
         root = text[pos]
-        ct_inc = d.propose(inc, root, max_depth=6)
+        ct_inc = expand(d.propose(inc, root, max_depth=6), 32, 6)
         fresh = d.new_state()
         d.extend(fresh, text[:pos], None)
-        ct_new = d.propose(fresh, root, max_depth=6)
+        ct_new = expand(d.propose(fresh, root, max_depth=6), 32, 6)
         for a, b in ((ct_inc.tokens, ct_new.tokens), (ct_inc.parents, ct_new.parents),
                      (ct_inc.logprobs, ct_new.logprobs)):
             assert torch.equal(a, b)
@@ -263,26 +268,29 @@ def test_drafter_incremental_equals_rebuild_outputs():
         pos += step
 
 
-def test_caps_and_empty():
-    d = SuffixDrafter(max_depth=15, max_candidates=8)
+def test_policy_cap_and_empty():
+    # The suffix drafter has no node cap of its own: the tree builder's policy decides.
+    d = SuffixDrafter(max_depth=15)
     st = d.new_state()
     d.extend(st, list(range(50)) * 3, None)
-    ct = d.propose(st, root=10, max_depth=15)
-    assert ct.tokens.tolist() == list(range(11, 19))  # one chain, capped at 8 nodes
+    trie = d.propose(st, root=10, max_depth=15)
+    assert isinstance(trie, SuffixTrie) and not trie.empty
+    ct = expand(trie, 8, 15)
+    assert ct.tokens.tolist() == list(range(11, 19))  # one chain, cut at the builder's 8 nodes
     assert ct.logprobs.tolist() == [0.0] * 8
-    ct = d.propose(st, root=10, max_depth=3)
+    assert expand(trie, 100, 15).tokens.tolist() == list(range(11, 26))  # the whole depth-15 chain
+    ct = expand(d.propose(st, root=10, max_depth=3), CAP, 3)
     assert ct.tokens.tolist() == [11, 12, 13]
-    assert d.propose(st, root=999, max_depth=5).tokens.numel() == 0  # unseen root
-    assert d.propose(st, root=10, max_depth=0).tokens.numel() == 0
-    e = empty_candidate_tree()
-    assert e.tokens.shape == (0,) and e.parents.shape == (0,) and e.logprobs.shape == (0,)
+    assert d.propose(st, root=999, max_depth=5).empty  # unseen root
+    assert d.propose(st, root=10, max_depth=0).empty
+    assert expand(d.propose(st, root=999, max_depth=5), CAP, 5).tokens.numel() == 0
     # min_match_len=2: a 1-token match ("2") proposes nothing, a 2-token one ("1 2") does.
     d2 = SuffixDrafter(min_match_len=2)
     st2 = d2.new_state()
     d2.extend(st2, [1, 2, 3, 7], None)
-    assert d2.propose(st2, root=2, max_depth=5).tokens.numel() == 0
+    assert d2.propose(st2, root=2, max_depth=5).empty
     d2.extend(st2, [1], None)
-    assert d2.propose(st2, root=2, max_depth=5).tokens.tolist() == [3, 7, 1]
+    assert expand(d2.propose(st2, root=2, max_depth=5), CAP, 5).tokens.tolist() == [3, 7, 1]
 
 
 def test_short_context_uses_the_whole_window():
@@ -290,7 +298,7 @@ def test_short_context_uses_the_whole_window():
     d = SuffixDrafter(max_depth=2, max_match_len=32)
     st = d.new_state()
     d.extend(st, [5, 7, 8, 1, 2, 9, 6, 7, 8, 1, 2, 3] + list(range(30, 42)) + [5, 7, 8, 1], None)
-    ct = d.propose(st, root=2, max_depth=2)  # "5 7 8 1 2" occurred once, followed by 9
+    ct = expand(d.propose(st, root=2, max_depth=2), CAP, 2)  # "5 7 8 1 2" occurred once, followed by 9
     assert ct.tokens.tolist() == [9, 6]
     assert ct.logprobs.tolist() == [0.0, 0.0]
 
@@ -299,26 +307,26 @@ def test_smoothing_discounts_counts():
     d = SuffixDrafter(max_depth=2, smoothing=1.0)
     st = d.new_state()
     d.extend(st, [1, 2, 3, 1, 2, 4, 1], None)
-    paths = tree_paths(d.propose(st, root=2, max_depth=2))
+    paths = tree_paths(expand(d.propose(st, root=2, max_depth=2), CAP, 2))
     # "1 2" -> 3 and 4 once each: 1 / (2 + 1); "1 2 3" -> 1 once: 1 / (1 + 1).
     assert paths == pytest.approx({(4,): math.log(1 / 3), (3,): math.log(1 / 3),
                                    (4, 1): math.log(1 / 2), (3, 1): math.log(1 / 2)})
 
 
 def test_empty_proposal_builds_root_only_tree():
-    tree = build_tree(5, empty_candidate_tree(), FixedBudgetPolicy(8), max_depth=5)
+    tree = build_tree(5, SuffixTrie((), (), 0.0, 5), FixedBudgetPolicy(8), max_depth=5)
     assert tree.tokens.tolist() == [5] and tree.a_hat == pytest.approx(1.0)
 
 
-def test_build_tree_consumes_candidate_tree():
+def test_build_tree_consumes_the_trie():
     d = SuffixDrafter(max_depth=15)
     st = d.new_state()
     chain = [1, 2, 3, 9, 9, 0, 5]
     # After "1 2": "3 9 9 0 5" three times, "4 8" once.
     d.extend(st, chain + chain + [1, 2, 4, 8] + chain + [6, 1], None)
-    ct = d.propose(st, root=2, max_depth=5)
-    assert_well_formed(ct, 5, d.max_candidates)
-    tree = build_tree(2, ct, FixedBudgetPolicy(8), max_depth=5)
+    ct = expand(d.propose(st, root=2, max_depth=5), CAP, 5)
+    assert_well_formed(ct, 5, CAP)
+    tree = build_tree(2, d.propose(st, root=2, max_depth=5), FixedBudgetPolicy(8), max_depth=5)
     assert tree.size == 8
     toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     assert toks[0] == 2 and pars[0] == -1 and deps[0] == 0
@@ -382,22 +390,22 @@ def test_drafter_global_index_and_merge():
     # A new request whose own text has nothing: the global index proposes.
     b = d.new_state()
     d.extend(b, [200, 201], None)
-    ct = d.propose(b, root=6, max_depth=4)
+    ct = expand(d.propose(b, root=6, max_depth=4), CAP, 4)
     assert ct.tokens.tolist() == [7, 8, 9] and ct.parents.tolist() == [-1, 0, 1]
     # Both sources match: mixture weighted by match length (request 2 tokens, global 1).
     d.extend(b, [5, 6, 3], None)
-    ct = d.propose(b, root=5, max_depth=1)
+    ct = expand(d.propose(b, root=5, max_depth=1), CAP, 1)
     paths = tree_paths(ct)
     # request "5" -> 6 and global "5" -> 6, each with probability 1: the mixture gives 1.
     assert paths == pytest.approx({(6,): 0.0})
-    ct = d.propose(b, root=6, max_depth=2)
+    ct = expand(d.propose(b, root=6, max_depth=2), CAP, 2)
     # request "6" -> 3 and global "6" -> 7, both matched with length 1: equal weights.
     paths = tree_paths(ct)
     assert paths[(3,)] == pytest.approx(math.log(0.5))
     assert paths[(7,)] == pytest.approx(math.log(0.5))
     assert paths[(7, 8)] == pytest.approx(0.0)
     assert ct.tokens[0].item() == 3  # tie: the request index's (recent) text first
-    assert_well_formed(ct, 2, d.max_candidates)
+    assert_well_formed(ct, 2, CAP)
 
 
 def test_drafter_options_validated():

@@ -1,4 +1,4 @@
-"""Exactness at temperature 0 with the suffix drafter and the DFlash + suffix hybrid (issue 9).
+"""Exactness at temperature 0 with the suffix drafter and the DFlash + suffix hybrid.
 
 Real prompts on the embedded default, several of them repetition-heavy so the suffix
 index proposes long accepted paths; every speculative output must equal engine AR.

@@ -9,10 +9,10 @@ import pytest
 import torch
 from helpers import tiny_target
 
-from drafting.datagen import greedy_batch, write_shards
+from training.datagen import greedy_batch, write_shards
 from drafting.dflash import load_dflash
-from drafting.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
-from drafting.train_loop import ShardData, build, export, save_ckpt, train_stage, train_step
+from training.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
+from training.train_loop import ShardData, build, export, save_ckpt, train_stage, train_step
 
 LAYERS = (0, 1)  # target_layer_ids of the tiny 2-layer target
 
@@ -192,7 +192,7 @@ def test_train_stage_resumes_from_its_checkpoint(target, tmp_path):
                               eval_prompts=0, eval_tokens=8, ship="", init="", wait_data=1)
     log = logging.getLogger("test")
     # A tiny config: the stage builds from args, so patch the target-specific fields through TrainConfig defaults.
-    import drafting.train_loop as tl
+    import training.train_loop as tl
 
     orig = tl.config_from_args
     tl.config_from_args = lambda a: cfg_for(draft_vocab=a.draft_vocab, steps=a.steps, batch=a.batch, blocks=a.blocks)

@@ -1,15 +1,16 @@
-"""Best-first tree builder and tree masks (SPEC sections 3-4)."""
+"""Best-first tree builder over every proposal form, and tree masks (docs/method.md, sections 3 and 5)."""
 from __future__ import annotations
 
 import itertools
 import math
 
 import numpy as np
+import pytest
 import torch
 
-from drafting.base import CandidateTree, Marginals
-from engine.tree import (ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, ancestor_matrix, build_tree,
-                         tree_attention_mask)
+from drafting.proposal import CandidateTree, ChildSource, Marginals
+from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, build_tree
+from reference import ancestor_matrix, tree_attention_mask
 
 
 def random_marginals(depth: int, k: int, vocab: int = 50, seed: int = 0) -> Marginals:
@@ -87,6 +88,47 @@ def test_candidate_tree_keeps_conditional_structure():
                        logprobs=torch.log(torch.tensor([0.6, 0.4, 1.0, 1.0])))
     t = build_tree(9, ct, FixedBudgetPolicy(5), max_depth=5)
     assert set(paths(t)) == {(), (5,), (6,), (5, 7), (6, 8)}
+
+
+class CountingSource(ChildSource):
+    """A lazy binary tree of depth <= 6: children of node `ref` are 2 ref + 1 and 2 ref + 2
+    with conditional probabilities 0.7 and 0.3; records every node it is asked about."""
+
+    root_ref = 0
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def children(self, ref, depth, limit):
+        self.asked.append(ref)
+        if depth >= 6:
+            return []
+        return [(math.log(0.7), 2 * ref + 1, 2 * ref + 1), (math.log(0.3), 2 * ref + 2, 2 * ref + 2)]
+
+
+def test_lazy_source_is_expanded_only_where_the_tree_grows():
+    src = CountingSource()
+    t = build_tree(-1, src, FixedBudgetPolicy(10), max_depth=6)
+    assert t.size == 10
+    # Every expanded node is in the tree; leaves (and nodes never reached) are never asked about.
+    assert len(src.asked) == len(set(src.asked)) <= t.size
+    assert set(src.asked) <= set(t.tokens.tolist()[1:]) | {0}
+    # The result is the best-first tree: same A_hat as the explicit product tree would give.
+    probs = sorted((math.exp(x) for x in t.log_scores.tolist()), reverse=True)
+    every = [1.0]
+    frontier = [(1.0, 0)]
+    for _ in range(6):
+        frontier = [(p * q, d + 1) for p, d in frontier for q in (0.7, 0.3)]
+        every += [p for p, _ in frontier]
+    assert probs == pytest.approx(sorted(every, reverse=True)[:10])
+
+
+def test_policy_cap_is_the_only_cap():
+    m = random_marginals(15, 64, vocab=500, seed=4)
+    for n in (1, 2, 64, 65, 200, 900):
+        assert build_tree(0, m, FixedBudgetPolicy(n, top_k=64), max_depth=15).size == n
+    # top_k bounds children per node: 3 tokens per depth over 2 depths gives at most 1 + 3 + 9 nodes.
+    assert build_tree(0, m, FixedBudgetPolicy(100, top_k=3), max_depth=2).size == 13
 
 
 def test_tree_mask_rows_see_prefix_self_and_ancestors():

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafting.base import Marginals
+from drafting.proposal import Marginals
 from engine.attention import random_tree_parents
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
-from engine.tree import FixedBudgetPolicy, Tree, ancestor_matrix, build_tree, tree_attention_mask
+from engine.tree import FixedBudgetPolicy, Tree, build_tree
+from reference import ancestor_matrix, tree_attention_mask
 from engine.tree_buffers import TreeBufferPool, TreeBuffers, bucket_capacity
 from helpers import OracleDrafter, tiny_target
 

@@ -7,15 +7,15 @@ import json
 import logging
 import sys
 
-from engine.factory import add_engine_arguments
+from bastion.settings import add_engine_arguments
 
 # Subcommand -> module providing add_arguments(parser) and run(args) -> int.
 COMMANDS = {
-    "generate": ("server.cli", "generate text for one prompt"),
-    "serve": ("server.serve", "run the OpenAI-compatible HTTP server"),
-    "calibrate": ("engine.calibrate_cli", "calibrate the verification latency model on this machine"),
-    "bench": ("bench.cli", "benchmark decoding modes side by side"),
-    "train-drafter": ("drafting.train_cli", "train a DFlash drafter for a target"),
+    "generate": ("bastion.cli", "generate text for one prompt"),
+    "serve": ("bastion.serve", "run the OpenAI-compatible HTTP server"),
+    "calibrate": ("bastion.calibrate", "calibrate the verification latency model on this machine"),
+    "bench": ("bastion.bench", "benchmark decoding modes side by side"),
+    "train-drafter": ("bastion.train_drafter", "train a DFlash drafter for a target"),
 }
 
 
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """`bastion generate`: stream the text to stdout, then a summary line on stderr (or one JSON object)."""
-    from engine.factory import build_engine, settings_from_args
+    from bastion.factory import build_engine
+    from bastion.settings import settings_from_args
     from engine.sampling import SamplingParams
 
     engine = build_engine(settings_from_args(args))

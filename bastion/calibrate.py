@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def add_arguments(p) -> None:
-    from engine.factory import add_engine_arguments
+    from bastion.settings import add_engine_arguments
 
     add_engine_arguments(p)
     p.add_argument("--out", default="runs/calibration", help="folder for the report (report.txt, latency.png)")
@@ -34,17 +34,17 @@ def measure_surrogate(engine_target, drafter, model, prompt_ids: list[list[int]]
 
     from controller.gate import SpeculationGate
     from controller.policy import default_settings
-    from controller.runtime import EngineController
+    from controller.budget import BudgetController
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 
-    ctl = EngineController(model, default_settings(engine_target.model.device), registry=CollectorRegistry(),
+    controller = BudgetController(model, default_settings(engine_target.model.device), registry=CollectorRegistry(),
                            max_depth=drafter.max_depth, surrogate_correction=False,
                            gate=SpeculationGate(threshold=0.0))  # never gate off: every step is a sample
-    eng = Engine(engine_target, drafter, ctl)
+    eng = Engine(engine_target, drafter, controller)
     for ids in prompt_ids:
         eng.generate(ids, SamplingParams(max_tokens=max_tokens))
-    return ctl.surrogate
+    return controller.surrogate
 
 
 def run(args) -> int:
@@ -56,7 +56,8 @@ def run(args) -> int:
     import torch
 
     from controller.calibration import calibrate, report
-    from engine.factory import default_drafter_for, load_drafter, settings_from_args
+    from bastion.factory import default_drafter_for, load_drafter
+    from bastion.settings import settings_from_args
     from engine.loader import load_target
     from engine.timing import verify_timer
 

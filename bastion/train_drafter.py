@@ -1,8 +1,8 @@
 """`bastion train-drafter`: resumable stages prompts -> data -> train, all under one output folder.
 
-    runs/drafter/prompts.jsonl          stage prompts (drafting.prompts.training_prompts)
-    runs/drafter/data/shard_*.pt        stage data: target responses + features + top-k (drafting.datagen)
-    runs/drafter/train/                 stage train: ckpt.pt, loss.jsonl, eval.jsonl, best/ (drafting.train_loop)
+    runs/drafter/prompts.jsonl          stage prompts (training.prompts.training_prompts)
+    runs/drafter/data/shard_*.pt        stage data: target responses + features + top-k (training.datagen)
+    runs/drafter/train/                 stage train: ckpt.pt, loss.jsonl, eval.jsonl, best/ (training.train_loop)
 
 Each stage skips what is already on disk, so rerunning the same command resumes.
 Stages can run as separate processes (data keeps growing while train re-reads new shards).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,10 +19,11 @@ STAGES = ("prompts", "data", "train")
 
 
 def add_arguments(parser) -> None:
-    env = os.environ.get
+    from bastion.settings import env_default
+
     parser.add_argument("--out", default="runs/drafter", help="output folder (default runs/drafter)")
     parser.add_argument("--stages", default="prompts,data,train", help="comma-separated subset of prompts,data,train")
-    parser.add_argument("--threads", type=int, default=int(env("BASTION_THREADS", "1")),
+    parser.add_argument("--threads", type=int, default=env_default("threads", "1"),
                         help="torch CPU threads (default $BASTION_THREADS or 1: leave the shared cores to others)")
     parser.add_argument("--n-prompts", type=int, default=8000, help="training prompts to generate responses for")
     parser.add_argument("--prompt-seed", type=int, default=0)
@@ -60,7 +60,7 @@ def _log(out: Path, name: str):
 
 
 def stage_prompts(args, out: Path) -> Path:
-    from drafting.prompts import training_prompts
+    from training.prompts import training_prompts
 
     path = out / "prompts.jsonl"
     if path.exists() and sum(1 for _ in open(path)) >= args.n_prompts:
@@ -77,7 +77,7 @@ def stage_prompts(args, out: Path) -> Path:
 def stage_data(args, out: Path, log) -> None:
     import torch
 
-    from drafting.datagen import write_shards
+    from training.datagen import write_shards
     from engine.loader import load_target
 
     rows = [json.loads(line) for line in open(out / "prompts.jsonl")]
@@ -104,11 +104,11 @@ def stage_data(args, out: Path, log) -> None:
 
 
 def _layer_ids(target_config) -> list[int]:
-    from drafting.train import TrainConfig
+    from training.train import TrainConfig
 
     n = int(target_config.num_hidden_layers)
     ids = list(TrainConfig.target_layer_ids)
-    if max(ids) >= n:  # another target: spread three layers evenly (SPEC default rule)
+    if max(ids) >= n:  # another target: spread three layers evenly (the default rule, docs/method.md, section 2)
         from drafting.dflash import default_target_layer_ids
 
         ids = default_target_layer_ids(n, 3)
@@ -134,7 +134,7 @@ def run(args) -> int:
     if "data" in stages:
         stage_data(args, out, log)
     if "train" in stages:
-        from drafting.train_loop import train_stage
+        from training.train_loop import train_stage
 
         train_stage(args, out, log)
     log.info("done in %.0f s", time.time() - t0)

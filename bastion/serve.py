@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
 log = logging.getLogger(__name__)
 
 
-def _env(name: str, default):
-    return os.environ.get(f"BASTION_{name}", default)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags (engine.factory.add_engine_arguments) plus the server's own.
+    """The engine flags (bastion.factory.add_engine_arguments) plus the server's own.
 
     Defaults from the environment stay strings so argparse converts them with the flag's
     type: a bad value is a clean usage error of `bastion serve`, not a crash of every command.
     """
-    from engine.factory import add_engine_arguments
+    from bastion.settings import add_engine_arguments, env_default as _env
 
     add_engine_arguments(p)
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="bind address (default 127.0.0.1)")
@@ -53,7 +48,8 @@ def run(args) -> int:
     """
     import uvicorn
 
-    from engine.factory import build_engine, settings_from_args
+    from bastion.factory import build_engine
+    from bastion.settings import settings_from_args
     from server.app import ServerConfig, create_app
 
     if not (0 < args.port < 65536):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from bench.datasets import DATASETS
-from bench.modes import BASE_MODES, build_modes, expand_modes, needs_drafter, no_drafter_reason, resolve_drafter
+from bench.modes import BASE_MODES, build_modes, expand_modes, needs_drafter
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _int_csv(s: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `bastion bench` (the engine's --target --drafter --dtype --device --threads included)."""
-    from engine.factory import add_engine_arguments
+    from bastion.settings import add_engine_arguments
 
     add_engine_arguments(p)
     for a in p._actions:  # the bench takes --modes / --budgets instead of the engine's --mode / --budget
@@ -75,7 +75,8 @@ def run(args) -> int:
     import torch
 
     from bench.runner import BenchSettings, environment, load_prompt_sets, run_bench
-    from engine.factory import build_budget_controller, settings_from_args
+    from bastion.factory import build_budget_controller, no_drafter_reason, resolve_drafter
+    from bastion.settings import settings_from_args
     from engine.loader import load_target
 
     kind = "gpu" if torch.device(args.device).type == "cuda" else "cpu"
@@ -113,12 +114,12 @@ def run(args) -> int:
     calibration = {}
 
     def bastion_controller(surrogate_correction: bool = True):
-        ctl = build_budget_controller(target, drafter, settings_from_args(args), progress=True,
+        controller = build_budget_controller(target, drafter, settings_from_args(args), progress=True,
                                       surrogate_correction=surrogate_correction)
-        cal = getattr(ctl, "calibration", None)
+        cal = getattr(controller, "calibration", None)
         if cal is not None:
             calibration.update(cal.to_json(), from_cache=cal.from_cache)
-        return ctl
+        return controller
 
     mode_objs = build_modes(modes, target, drafter, bastion_controller)
     settings = BenchSettings(

@@ -525,10 +525,6 @@ CHAT_GENERATORS: list[tuple[Gen, float]] = [
 ]
 
 
-def _lower_first(s: str) -> str:
-    return s[0].lower() + s[1:] if s and not s[:2].isupper() else s
-
-
 def _code_stdlib(rng):
     e = rng.choice(stdlib_entries())
     sig = f"{e.qualname}{e.signature}" if e.signature else e.qualname

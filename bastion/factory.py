@@ -1,15 +1,20 @@
-"""Build a ready Engine from user-facing settings (target, drafter, dtype, mode, budget)."""
+"""Wire a ready Engine from user-facing settings: target, drafter, controller for the mode.
+
+The one place a drafter spec becomes a drafter (`load_drafter`, `resolve_drafter`) and a
+mode becomes a controller (`controller_for`): the server, the benchmark and calibration all
+come through here.
+"""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bastion.settings import MODES, EngineSettings
 from drafting.base import Drafter
 from engine.attention import install, installed_backend, select_backend
-from engine.engine import MODES, Engine, make_controller
+from engine.engine import Engine, StepController, make_controller
 from engine.loader import DEFAULT_TARGET, Target, load_target
 
 log = logging.getLogger(__name__)
@@ -20,26 +25,6 @@ SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafting" / "checkpo
 
 class ConfigError(ValueError):
     """Settings that cannot work together (for example a speculative mode without a drafter)."""
-
-
-@dataclass
-class EngineSettings:
-    """User-facing engine settings; every field maps to a CLI flag and an environment variable.
-
-    target: HF id, folder or .gguf (None: embedded default). drafter: DFlash folder or
-    hub id, 'none', or None for the default (the shipped drafter of the default target).
-    mode: 'ar' | 'chain' | 'tree' | 'bastion' (None: 'bastion' when a drafter exists, else 'ar').
-    budget: tree size for mode 'tree'. dtype: 'float32' | 'bfloat16'. threads: torch CPU threads (0: torch default).
-    """
-
-    target: str | None = None
-    drafter: str | None = None
-    mode: str | None = None
-    budget: int = 32
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 0
-    attention: str = "auto"
 
 
 def default_drafter_for(target: Target) -> str | None:
@@ -105,10 +90,29 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
             "pass --drafter PATH or use --mode ar"
         )
     if mode == "ar":
-        return Engine(target, None, make_controller("ar"))
+        drafter = None
+    return Engine(target, drafter, controller_for(mode, target, drafter, settings))
+
+
+def controller_for(mode: str, target: Target, drafter: Drafter | None, settings: EngineSettings | None = None,
+                   budget: int | None = None, **kwargs) -> StepController:
+    """The StepController of a mode: 'ar', 'chain' (the drafter's block), 'tree' (best-first up
+    to `budget` nodes, default settings.budget) or 'bastion' (the calibrated budget controller;
+    kwargs go to `build_budget_controller`). Raises ConfigError for an unknown mode or a
+    speculative mode without a drafter.
+    """
+    settings = settings or EngineSettings()
+    if mode == "ar":
+        return make_controller("ar")
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode '{mode}' (choose from {', '.join(MODES)})")
+    if drafter is None:
+        raise ConfigError(f"mode '{mode}' needs a drafter")
     if mode == "bastion":
-        return Engine(target, drafter, build_budget_controller(target, drafter, settings))
-    return Engine(target, drafter, make_controller(mode, settings.budget, drafter.max_depth + 1))
+        return build_budget_controller(target, drafter, settings, **kwargs)
+    if mode == "chain":
+        return make_controller("chain", block_size=drafter.max_depth + 1)
+    return make_controller("tree", budget if budget is not None else settings.budget)
 
 
 def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True,
@@ -121,10 +125,10 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
     surrogate_correction=False is passed (it raised tokens/s on every dataset, docs/controller.md).
     """
     kwargs.setdefault("surrogate_correction", True)
-    from controller.runtime import EngineController
+    from controller.budget import BudgetController
     from engine.timing import verify_timer
 
-    return EngineController.from_target(
+    return BudgetController.from_target(
         target.config, target.dtype, verify_timer(target.model, drafter.feature_layers),
         device=settings.device, model_name=target.name,
         attn_backend=installed_backend(target.model) or "sdpa",
@@ -132,34 +136,30 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
     )
 
 
-def add_engine_arguments(parser) -> None:
-    """Add the shared engine flags; each defaults to an environment variable BASTION_<FLAG>."""
-    import os
+def resolve_drafter(spec: str | None, target: Target, seed: int = 0) -> tuple[Drafter | None, str]:
+    """A drafter spec as the benchmark takes it -> (drafter or None, a description for the report).
 
-    env = os.environ.get
-    parser.add_argument("--target", default=env("BASTION_TARGET"), help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=env("BASTION_DRAFTER"), help="DFlash checkpoint folder or HF id; 'suffix' (model-free suffix index); 'dflash' (the "
-                             "target's shipped DFlash); 'X+suffix' (DFlash X merged with the suffix index); 'none' "
-                             "(default for the embedded target: dflash+suffix)")
-    parser.add_argument("--mode", default=env("BASTION_MODE"), choices=MODES, help="decoding mode (default: bastion with a drafter, else ar)")
-    parser.add_argument("--budget", type=int, default=env("BASTION_BUDGET", "32"), help="tree size for --mode tree")
-    parser.add_argument("--dtype", default=env("BASTION_DTYPE", "float32"), choices=["float32", "bfloat16"], help="weights and compute dtype")
-    parser.add_argument("--device", default=env("BASTION_DEVICE", "cpu"), help="torch device (cpu, cuda)")
-    parser.add_argument("--attention", default=env("BASTION_ATTENTION", "auto"),
-                        choices=["auto", "sdpa", "flex", "flash_attn"],
-                        help="tree attention backend (default: sdpa on CPU, else the fastest measured)")
-    parser.add_argument("--threads", type=int, default=env("BASTION_THREADS", "0"), help="torch CPU threads (0: default)")
+    spec: None -> the shipped drafter of the target if any (`default_drafter_for`); 'none' -> no
+    drafter; 'random' -> a random 1-layer DFlash (a lower bound: it is almost never right);
+    anything else goes to `load_drafter`. Raises what load_drafter raises on a bad checkpoint.
+    """
+    if spec is None:
+        spec = default_drafter_for(target)
+        if spec is None:
+            return None, "none"
+    if spec == "none":
+        return None, "none"
+    if spec == "random":
+        from drafting.dflash import random_dflash
+
+        return (random_dflash(target.model, seed=seed, num_layers=1, mask_token_id=0),
+                "random (1-layer random DFlash, lower bound)")
+    return load_drafter(spec, target), spec
 
 
-def settings_from_args(args) -> EngineSettings:
-    """EngineSettings from parsed `add_engine_arguments` flags."""
-    return EngineSettings(
-        target=args.target,
-        drafter=args.drafter,
-        mode=args.mode,
-        budget=args.budget,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
-        attention=args.attention,
-    )
+def no_drafter_reason(spec: str | None, target: Target) -> str:
+    """Why speculative modes cannot run, with what to pass instead."""
+    if spec == "none":
+        return "--drafter none was given"
+    return (f"no drafter is shipped for target '{target.name}' yet (expected {SHIPPED_DRAFTER} for the "
+            "embedded default); pass --drafter PATH_OR_HUB_ID, or --drafter random for a random DFlash (a lower bound)")

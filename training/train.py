@@ -1,4 +1,4 @@
-"""Training a DFlash drafter (SPEC section 2 recipe) on target-generated data, on CPU.
+"""Training a DFlash drafter (the recipe of docs/method.md, section 2) on target-generated data, on CPU.
 
 One optimisation step: a batch of sequences (token ids + the target's features at the
 drafter's layers), `blocks` random anchors per sequence inside the response, all blocks

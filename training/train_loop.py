@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from drafting.dflash import save_dflash
-from drafting.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter, token_counts
+from training.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter, token_counts
 
 
 class ShardData:
@@ -51,7 +51,7 @@ class ShardData:
 
 def validation_prompts(n: int, train_texts: set[str], seed: int = 777) -> list[str]:
     """`n` held-out prompts: a different seed of training_prompts, minus any training prompt text."""
-    from drafting.prompts import training_prompts
+    from training.prompts import training_prompts
 
     rows = training_prompts(max(4 * n, 60), seed=seed)
     rng = random.Random(seed)

@@ -1,0 +1,67 @@
+"""User-facing engine settings and the one way environment defaults are read.
+
+Every flag `--some-flag` of every command defaults to the environment variable
+`BASTION_SOME_FLAG` when it is set (`env_default`). Defaults stay strings so argparse
+converts them with the flag's own type: a bad value is a clean usage error of that command.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+#: Decoding modes of the engine: the fixed ones (engine.engine.FIXED_MODES) plus the adaptive one.
+MODES = ("ar", "chain", "tree", "bastion")
+
+
+def env_default(name: str, default: str | None) -> str | None:
+    """The value of BASTION_<NAME> (name as in the flag, upper-cased, '-' -> '_'), else `default`."""
+    return os.environ.get("BASTION_" + name.upper().replace("-", "_"), default)
+
+
+@dataclass
+class EngineSettings:
+    """User-facing engine settings; every field maps to a CLI flag and an environment variable.
+
+    target: HF id, folder or .gguf (None: embedded default). drafter: a drafter spec
+    (bastion.factory.load_drafter), or None for the default (the shipped drafter of the
+    default target). mode: one of MODES (None: 'bastion' when a drafter exists, else 'ar').
+    budget: tree size for mode 'tree'. dtype: 'float32' | 'bfloat16'. device: torch device.
+    threads: torch CPU threads (0: torch default). attention: tree attention backend.
+    """
+
+    target: str | None = None
+    drafter: str | None = None
+    mode: str | None = None
+    budget: int = 32
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 0
+    attention: str = "auto"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the shared engine flags; each defaults to its environment variable BASTION_<FLAG>."""
+    env = env_default
+    parser.add_argument("--target", default=env("target", None),
+                        help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=env("drafter", None),
+                        help="DFlash checkpoint folder or HF id; 'suffix' (model-free suffix index); 'dflash' (the "
+                             "target's shipped DFlash); 'X+suffix' (DFlash X merged with the suffix index); 'none' "
+                             "(default for the embedded target: dflash+suffix)")
+    parser.add_argument("--mode", default=env("mode", None), choices=MODES,
+                        help="decoding mode (default: bastion with a drafter, else ar)")
+    parser.add_argument("--budget", type=int, default=env("budget", "32"), help="tree size for --mode tree")
+    parser.add_argument("--dtype", default=env("dtype", "float32"), choices=["float32", "bfloat16"],
+                        help="weights and compute dtype")
+    parser.add_argument("--device", default=env("device", "cpu"), help="torch device (cpu, cuda)")
+    parser.add_argument("--attention", default=env("attention", "auto"),
+                        choices=["auto", "sdpa", "flex", "flash_attn"],
+                        help="tree attention backend (default: sdpa on CPU, else the fastest measured)")
+    parser.add_argument("--threads", type=int, default=env("threads", "0"), help="torch CPU threads (0: default)")
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    """EngineSettings from parsed `add_engine_arguments` flags."""
+    return EngineSettings(target=args.target, drafter=args.drafter, mode=args.mode, budget=args.budget,
+                          dtype=args.dtype, device=args.device, threads=args.threads, attention=args.attention)

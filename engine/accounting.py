@@ -1,0 +1,192 @@
+"""Step accounting: the one place that turns verification steps into the figures users read.
+
+`StepStats` is what one engine step reports. `StepAccounting` (one per engine) folds every
+step into running totals: steps by kind, drafted / accepted token counts (also per depth),
+the tree-size and accepted-length histograms, and the estimated speedup over plain
+decoding. `summarize(steps)` gives one request's figures (tau, mean tree size, token
+counts). The server exports the totals as Prometheus metrics and the per-request summary
+in each response; the adaptive controller keeps only its control state.
+
+Definitions (docs/method.md, section 1):
+- a step is one target forward over a tree (a plain step is a root-only tree, tau = 1);
+- draft tokens: tree nodes verified, root excluded;
+- accepted tokens: drafted (non-root, non-bonus) tokens that were committed;
+- estimated speedup over AR: tau x (AR step seconds) / (speculative step seconds) over the
+  speculative steps, where the AR step time is the mean verify time of root-only steps, or a
+  one-token forward timed at start-up (`ar_probe_s`) before any such step was seen.
+"""
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Iterable
+
+#: Upper bounds of the tree-size histogram (nodes, root included).
+SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
+#: Upper bounds of the accepted-length histogram (tokens per step, bonus included).
+ACCEPT_BUCKETS = tuple(range(1, 17)) + (24, 32)
+#: Deepest depth counted in the per-depth acceptance totals (published drafters reach 15).
+MAX_DEPTH_LABEL = 32
+STEP_KINDS = ("draft", "cheap", "plain")
+
+
+@dataclass
+class StepStats:
+    """One verification step. Times in seconds; sizes in tokens.
+
+    tree_size: nodes verified (root included); accepted: tokens committed this step
+    (bonus included, after stop truncation); context_len: cached tokens before the step;
+    a_hat: the tree's acceptance surrogate; drafted: whether the full drafter ran.
+    accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
+    cheap: the tree came from the drafter's nearly free part (`Drafter.propose_cheap`)
+    on a step where the controller had turned the full drafter off.
+    """
+
+    tree_size: int
+    accepted: int
+    accepted_depth: int
+    context_len: int
+    a_hat: float
+    drafted: bool
+    draft_s: float
+    verify_s: float
+    other_s: float
+    cheap: bool = False
+
+    @property
+    def kind(self) -> str:
+        """'draft' (the full drafter ran), 'cheap' (only its free part) or 'plain'."""
+        return "draft" if self.drafted else "cheap" if self.cheap else "plain"
+
+    @property
+    def accepted_drafted(self) -> int:
+        """Drafted tokens committed this step (the bonus token excluded)."""
+        return min(self.accepted_depth, self.accepted)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One request's speculative figures over its steps (see `summarize`)."""
+
+    steps: int
+    tau: float
+    mean_tree_size: float
+    draft_tokens: int
+    accepted_tokens: int
+
+
+def summarize(steps: Iterable[StepStats]) -> StepSummary:
+    """Steps, tau (committed tokens per step, bonus included), mean tree size, draft tokens
+    (nodes verified, root excluded) and accepted drafted tokens over `steps`; zeros when empty."""
+    n = committed = nodes = accepted = 0
+    for s in steps:
+        n += 1
+        committed += s.accepted
+        nodes += s.tree_size
+        accepted += s.accepted_drafted
+    return StepSummary(steps=n, tau=committed / n if n else 0.0, mean_tree_size=nodes / n if n else 0.0,
+                       draft_tokens=nodes - n, accepted_tokens=accepted)
+
+
+@dataclass
+class Histogram:
+    """Counts per upper bound (`bounds`, non-cumulative; the last slot is +Inf), with sum and count."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, x: float) -> None:
+        self.counts[bisect_left(self.bounds, x)] += 1
+        self.total += x
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(upper bound as text, cumulative count)] ending with '+Inf' (the Prometheus form)."""
+        out, acc = [], 0
+        for b, c in zip(list(self.bounds) + [float("inf")], self.counts):
+            acc += c
+            out.append(("+Inf" if b == float("inf") else str(float(b)), acc))
+        return out
+
+    def copy(self) -> "Histogram":
+        return Histogram(self.bounds, list(self.counts), self.total, self.n)
+
+
+class StepAccounting:
+    """Running totals over every step an engine ran (thread-safe: the engine's worker records,
+    a metrics scrape reads `snapshot()` from another thread).
+
+    ar_probe_s: seconds of a one-token forward timed at start-up, the AR step time used by
+    `speedup()` until a root-only step is seen (None: unknown).
+    """
+
+    def __init__(self, ar_probe_s: float | None = None):
+        self.ar_probe_s = ar_probe_s
+        self._lock = threading.Lock()
+        self.steps_by_kind = dict.fromkeys(STEP_KINDS, 0)
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.accepted_per_depth = [0] * MAX_DEPTH_LABEL
+        self.tree_size = Histogram(SIZE_BUCKETS)
+        self.accepted_length = Histogram(ACCEPT_BUCKETS)
+        self._ar_n = 0
+        self._ar_verify_s = 0.0
+        self._spec_n = 0
+        self._spec_tokens = 0
+        self._spec_s = 0.0
+
+    @property
+    def steps(self) -> int:
+        return sum(self.steps_by_kind.values())
+
+    def record(self, st: StepStats) -> None:
+        """Fold one step into the totals."""
+        accepted = st.accepted_drafted
+        with self._lock:
+            self.steps_by_kind[st.kind] += 1
+            self.draft_tokens += st.tree_size - 1
+            self.accepted_tokens += accepted
+            for d in range(min(accepted, MAX_DEPTH_LABEL)):
+                self.accepted_per_depth[d] += 1
+            self.tree_size.observe(st.tree_size)
+            self.accepted_length.observe(st.accepted)
+            if st.tree_size <= 1:
+                self._ar_n += 1
+                self._ar_verify_s += st.verify_s
+            else:
+                self._spec_n += 1
+                self._spec_tokens += st.accepted
+                self._spec_s += st.draft_s + st.verify_s + st.other_s
+
+    @property
+    def ar_step_s(self) -> float | None:
+        """Mean verify seconds of root-only steps, else the start-up probe, else None."""
+        if self._ar_n:
+            return self._ar_verify_s / self._ar_n
+        return self.ar_probe_s
+
+    def speedup(self) -> float:
+        """tau x AR step seconds / speculative step seconds over speculative steps; 1.0 when undefined."""
+        ar = self.ar_step_s
+        if not self._spec_n or ar is None or self._spec_s <= 0:
+            return 1.0
+        return (self._spec_tokens / self._spec_n) * ar / (self._spec_s / self._spec_n)
+
+    def snapshot(self) -> "StepAccounting":
+        """A consistent copy of the totals, taken under the lock (for exporters)."""
+        out = StepAccounting(self.ar_probe_s)
+        with self._lock:
+            out.steps_by_kind = dict(self.steps_by_kind)
+            out.draft_tokens, out.accepted_tokens = self.draft_tokens, self.accepted_tokens
+            out.accepted_per_depth = list(self.accepted_per_depth)
+            out.tree_size, out.accepted_length = self.tree_size.copy(), self.accepted_length.copy()
+            out._ar_n, out._ar_verify_s = self._ar_n, self._ar_verify_s
+            out._spec_n, out._spec_tokens, out._spec_s = self._spec_n, self._spec_tokens, self._spec_s
+        return out
