@@ -41,6 +41,8 @@ from drafting.proposal import Child, ChildSource, Marginals, Proposal
 from drafting.suffix import SuffixDrafter, SuffixState, SuffixTrie
 
 MERGES = ("mix-tree", "max-tree")
+#: Suffix children read per merged node before rescoring.
+SUFFIX_CHILDREN = 64
 DEFAULT_MERGE = "mix-tree"
 
 
@@ -185,7 +187,9 @@ class MergedTrie(ChildSource):
     def children(self, ref, depth: int, limit: int) -> list[Child]:
         if ref is None:
             return self._row(depth)
-        kids = self.suffix.children(ref, depth, limit)
+        # All of the node's suffix children (not just `limit`): rescoring with the DFlash row
+        # can reorder them, and a suffix node rarely has more than a few.
+        kids = self.suffix.children(ref, depth, SUFFIX_CHILDREN)
         if not kids:
             return self._row(depth)
         if depth >= len(self._ids):
