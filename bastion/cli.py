@@ -1,4 +1,4 @@
-"""The `bastion` command line: generate, serve, calibrate, bench, train-drafter."""
+"""The `bastion` command line: generate, serve, calibrate, bench, train-drafter, loadtest."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,7 @@ COMMANDS = {
     "calibrate": ("bastion.calibrate", "calibrate the verification latency model on this machine"),
     "bench": ("bastion.bench", "benchmark decoding modes side by side"),
     "train-drafter": ("bastion.train_drafter", "train a DFlash drafter for a target"),
+    "loadtest": ("bastion.loadtest", "soak a loopback server with concurrent, cancelled and bad requests"),
 }
 
 

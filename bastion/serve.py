@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine flags (bastion.factory.add_engine_arguments) plus the server's own.
+    """The engine flags (bastion.settings.add_engine_arguments) plus the server's own.
 
     Defaults from the environment stay strings so argparse converts them with the flag's
     type: a bad value is a clean usage error of `bastion serve`, not a crash of every command.
@@ -28,44 +28,112 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=_env("PORT", "8000"), help="TCP port (default 8000)")
     p.add_argument("--api-key", default=_env("API_KEY", None),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: no key; an "
+                        "empty key is refused)")
+    p.add_argument("--metrics-key", default=_env("METRICS_KEY", None),
+                   help="bearer token for /metrics instead of the API key (default: the API key guards it)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   default=_env("ALLOW_UNAUTHENTICATED", "") in ("1", "true", "yes"),
+                   help="allow binding a non-loopback address without --api-key (default: refused)")
+    p.add_argument("--allowed-host", action="append", default=[h for h in (_env("ALLOWED_HOSTS", "") or "").split(",")
+                                                                  if h.strip()],
+                   help="host name accepted in Host / Origin headers besides loopback (repeatable)")
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", "64"),
-                   help="requests allowed to wait; more get HTTP 429 (default 64)")
+                   help="requests allowed to wait beyond --max-running; more get HTTP 429 (default 64)")
     p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "1"),
                    help="sequences decoded at once, interleaved step by step (default 1)")
+    p.add_argument("--max-connections", type=int, default=_env("MAX_CONNECTIONS", "256"),
+                   help="open connections allowed; more get HTTP 503 from uvicorn (default 256)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
                    help="model id clients send (default: the target's name)")
     p.add_argument("--max-body-bytes", type=int, default=_env("MAX_BODY_BYTES", str(4 * 1024 * 1024)),
                    help="largest request body in bytes; more get HTTP 413 (default 4 MiB)")
+    p.add_argument("--body-timeout", type=float, default=_env("BODY_TIMEOUT", "30"),
+                   help="seconds a client may take to send its request body; slower gets HTTP 408 (default 30)")
+    p.add_argument("--stall-timeout", type=float, default=_env("STALL_TIMEOUT", "30"),
+                   help="seconds a client may leave generated text unread before its request is cancelled "
+                        "(default 30)")
+    p.add_argument("--max-tokens-limit", type=int, default=_env("MAX_TOKENS_LIMIT", None),
+                   help="the most tokens one request may generate (default: the rest of the context)")
     p.add_argument("--shutdown-timeout", type=float, default=_env("SHUTDOWN_TIMEOUT", "30"),
                    help="seconds running requests may take to finish on SIGTERM (default 30)")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback IP addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_config(args):
+    """ServerConfig from the parsed flags. Raises ValueError for an empty key, bad numbers, or a
+    non-loopback bind address without a key (unless --allow-unauthenticated)."""
+    from server.app import ServerConfig
+
+    if not (0 < args.port < 65536):
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    loopback = is_loopback(args.host)
+    if args.api_key is None and not loopback and not args.allow_unauthenticated:
+        raise ValueError(f"refusing to serve {args.host} without an API key: anyone who can reach it could use "
+                         "it; pass --api-key KEY (BASTION_API_KEY), or --allow-unauthenticated "
+                         "(BASTION_ALLOW_UNAUTHENTICATED=1) if the network is private")
+    return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
+                        metrics_key=args.metrics_key, max_queue=args.max_queue, max_running=args.max_running,
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                        stall_timeout=args.stall_timeout, shutdown_timeout=args.shutdown_timeout,
+                        max_tokens_limit=args.max_tokens_limit,
+                        loopback_only=loopback, allowed_hosts=tuple(args.allowed_host))
 
 
 def run(args) -> int:
     """Serve until SIGTERM/SIGINT; returns 0 after a graceful shutdown, 1 if the model failed to load.
 
-    Raises ValueError (via the CLI: exit 2) for invalid numeric settings.
+    Shutdown: the first signal stops admission (new requests and /health get 503), lets running
+    requests finish for --shutdown-timeout seconds, cancels the rest (streams get their final
+    'cancelled' frame while still connected), then stops uvicorn. Raises ValueError (via the
+    CLI: exit 2) for invalid settings.
     """
+    import threading
+
     import uvicorn
 
     from bastion.factory import build_engine
     from bastion.settings import settings_from_args
-    from server.app import ServerConfig, create_app
+    from server.app import create_app
 
-    if not (0 < args.port < 65536):
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_queue < 0 or args.max_running < 1 or args.max_body_bytes < 1:
-        raise ValueError("--max-queue must be >= 0, --max-running and --max-body-bytes >= 1")
+    config = server_config(args)
     settings = settings_from_args(args)
-    config = ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key or None,
-                          max_queue=args.max_queue, max_running=args.max_running,
-                          max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     app = create_app(lambda: build_engine(settings), config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
-    ))
     scheduler = app.state.scheduler
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, draining the scheduler before uvicorn closes connections."""
+
+        draining: threading.Thread | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.draining is None and scheduler.ready.is_set():
+                def drain() -> None:
+                    scheduler.shutdown(args.shutdown_timeout)
+                    self.should_exit = True
+
+                self.draining = threading.Thread(target=drain, name="bastion-drain", daemon=True)
+                self.draining.start()
+            else:  # still loading (nothing to drain), or a second signal: stop now
+                super().handle_exit(sig, frame)
+
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5,
+        limit_concurrency=args.max_connections, lifespan="on",
+    ))
 
     def on_load_error(err: BaseException) -> None:
         server.should_exit = True
@@ -82,7 +150,7 @@ def run(args) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if scheduler.load_error is not None:
+    if scheduler.load_error is not None and not scheduler.worker_failed:
         log.error("the model failed to load: %s", scheduler.load_error)
         return 1
     return 0

@@ -13,18 +13,21 @@ from drafting.proposal import Proposal
 from engine.accounting import StepAccounting, StepStats, summarize
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
-from engine.sampling import SamplingParams, select_token
+from engine.sampling import RequestError, SamplingParams, select_token
 from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
 from engine.greedy_device import accept_greedy_device
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import accept_sample, compact_cache, gather_features, target_forward, verify
+from engine.verifier import accept_sample, compact_cache, forward_with_features, verify
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
 
 
-class ContextLengthError(ValueError):
-    """Prompt + max_tokens exceed the target's context length."""
+class ContextLengthError(RequestError):
+    """Prompt + max_tokens exceed the target's context length (param: the prompt)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "messages")
 
 
 @dataclass
@@ -98,7 +101,7 @@ class ModelInfo:
 
     name: the target's name; max_context: context length in tokens; dtype: compute dtype name.
     encode_chat(messages) -> prompt ids (chat template applied); encode_text(text) -> ids;
-    check_length(prompt_len, max_tokens) raises ValueError / ContextLengthError for work
+    check_length(prompt_len, max_tokens) raises RequestError / ContextLengthError for work
     that cannot fit.
     """
 
@@ -211,7 +214,7 @@ class Engine:
         """Refuse work that cannot fit: raises ContextLengthError naming the numbers."""
         limit = self.max_context()
         if prompt_len == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "messages")
         if prompt_len + max_tokens > limit:
             raise ContextLengthError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
@@ -223,7 +226,7 @@ class Engine:
         """Validate, prefill the prompt and pick the first token (the first root).
 
         Returns the request's Sequence; its `pending` event carries the first token.
-        Raises ValueError / ContextLengthError before any work on bad input.
+        Raises RequestError (ContextLengthError included) before any work on bad input.
         """
         params.validate()
         self.check_length(len(prompt_ids), params.max_tokens)
@@ -242,10 +245,10 @@ class Engine:
             eos=set() if params.ignore_eos else set(self.eos_ids),
         )
         with torch.inference_mode():
-            out = target_forward(self.model, torch.tensor([seq.prompt_ids], device=self.model.device), seq.cache,
-                                 hidden=bool(feature_layers), logits_to_keep=1)
+            out, feats = forward_with_features(self.model, torch.tensor([seq.prompt_ids], device=self.model.device),
+                                               seq.cache, feature_layers, logits_to_keep=1)
             if drafter is not None:
-                drafter.extend(seq.drafter_state, seq.prompt_ids, gather_features(out.hidden_states, feature_layers))
+                drafter.extend(seq.drafter_state, seq.prompt_ids, feats)
             seq.root = select_token(out.logits[0, -1], params, gen)
         seq.prefix_len = len(prompt_ids)
         committed, finish = self._commit(seq, [seq.root])

@@ -1,23 +1,43 @@
 """Sampling parameters and the target's processed next-token distribution."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+#: Temperatures below this decode greedily (as vLLM does): dividing logits by a smaller one
+#: overflows to inf / NaN in float32 and the sampled token would be the argmax anyway.
+GREEDY_EPSILON = 1e-5
+#: Longest stop string accepted (characters): the hold-back of partial stop strings costs
+#: O(length) per step.
+MAX_STOP_CHARS = 256
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before doing any work; `param` names the offending field.
+
+    The server answers it with HTTP 400 (every other exception is an internal error).
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters.
 
-    temperature: 0 means greedy (argmax); > 0 samples from the processed distribution.
+    temperature: below GREEDY_EPSILON (0 included) means greedy (argmax); above, samples from
+    the processed distribution.
     top_p: nucleus mass in (0, 1]; top_k: 0 disables, otherwise keep the k most likely tokens.
     max_tokens: hard cap on generated tokens (bonus tokens included).
     stop: strings that end generation; the stop string itself is not returned.
     seed: seeds the request's own generator (None: nondeterministic).
     ignore_eos: keep generating past EOS (benchmarks).
 
-    Raises ValueError from `validate` on out-of-range values.
+    Raises RequestError (a ValueError naming the parameter) from `validate` on bad values.
     """
 
     temperature: float = 0.0
@@ -29,20 +49,24 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if not (0.0 <= self.temperature <= 2.0):
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
+             f"temperature must be in [0, 2], got {self.temperature}"),
+            ("top_p", math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}"),
+            ("max_tokens", self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            ("stop", all(isinstance(s, str) and s != "" for s in self.stop), "stop strings must be non-empty strings"),
+            ("stop", all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"stop strings may be at most {MAX_STOP_CHARS} characters long"),
+        )
+        for param, ok, message in checks:
+            if not ok:
+                raise RequestError(message, param)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or below GREEDY_EPSILON."""
+        return self.temperature < GREEDY_EPSILON
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

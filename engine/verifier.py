@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,69 @@ class VerifyOutput:
 _CACHE_KW: dict[type, str] = {}
 
 
+class FeatureTap:
+    """Keeps the outputs of a few target layers during a forward, instead of all hidden states.
+
+    layers: hidden-state indices in the Hugging Face convention (0 = the embedding output,
+    l in 1..L-1 = decoder layer l's output, L = the final norm's output). Forward hooks on
+    just those modules store a reference to their output (no copy) while `capture()` is
+    active on this thread, so a prefill of n tokens holds len(layers) x [n, H] activations
+    rather than (L + 1) x [n, H]. One tap per (model, layers), shared by every engine on it
+    (`feature_tap`). Raises ValueError for an index outside 0..L.
+    """
+
+    def __init__(self, model, layers: tuple[int, ...]):
+        self.layers = tuple(layers)
+        self._local = threading.local()
+        decoder = model.get_decoder()
+        n = len(decoder.layers)
+        for idx in sorted(set(self.layers)):
+            if not 0 <= idx <= n:
+                raise ValueError(f"feature layer {idx} is outside 0..{n} for this target")
+            module = model.get_input_embeddings() if idx == 0 else decoder.norm if idx == n else decoder.layers[idx - 1]
+            module.register_forward_hook(self._hook(idx))
+
+    def _hook(self, idx: int):
+        def store(module, args, output):
+            found = getattr(self._local, "found", None)
+            if found is not None:
+                found[idx] = output[0] if isinstance(output, tuple) else output
+        return store
+
+    def capture(self) -> "FeatureTap":
+        """Start keeping outputs on this thread (use as a context manager around one forward)."""
+        self._local.found = {}
+        return self
+
+    def __enter__(self) -> "FeatureTap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._local.done = self._local.found
+        self._local.found = None
+
+    def features(self) -> torch.Tensor:
+        """[n, len(layers) * H]: the captured outputs of the last forward, concatenated in `layers` order."""
+        done = self._local.done
+        return torch.cat([done[idx][0] for idx in self.layers], dim=-1)
+
+
+_TAPS: dict[tuple[int, tuple[int, ...]], tuple[object, FeatureTap]] = {}
+_TAPS_LOCK = threading.Lock()
+
+
+def feature_tap(model, layers: tuple[int, ...]) -> FeatureTap | None:
+    """The FeatureTap of (model, layers), created on first use (None when no layer is needed)."""
+    if not layers:
+        return None
+    key = (id(model), tuple(layers))
+    with _TAPS_LOCK:
+        entry = _TAPS.get(key)
+        if entry is None or entry[0] is not model:  # the id may belong to a model that is gone
+            entry = _TAPS[key] = (model, FeatureTap(model, tuple(layers)))
+        return entry[1]
+
+
 def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, attention_mask=None,
                    hidden: bool = False, logits_to_keep: int = 0, **extra):
     """One target forward on top of `cache` (updated in place); returns the transformers output.
@@ -34,6 +98,8 @@ def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, 
     input_ids: [1, s]; position_ids: [1, s] or None (continue after the cache);
     attention_mask: [1, 1, s, c + s] additive or None (causal). Passes the cache under the
     keyword this transformers version expects ('cache', formerly 'past_key_values').
+    hidden: also return every hidden state (prefer `forward_with_features`, which keeps
+    only the layers a drafter reads).
     extra: further model keywords, forwarded to the attention function (the tree, see engine.attention).
     """
     cls = type(model)
@@ -51,6 +117,20 @@ def target_forward(model, input_ids: torch.Tensor, cache, *, position_ids=None, 
         **kwargs,
         **extra,
     )
+
+
+def forward_with_features(model, input_ids: torch.Tensor, cache, feature_layers: tuple[int, ...], **kwargs):
+    """`target_forward` plus the drafter's features: (output, [s, len(layers) * H] or None).
+
+    The features come from forward hooks on just those layers (FeatureTap), so the model is
+    never asked for all its hidden states.
+    """
+    tap = feature_tap(model, feature_layers)
+    if tap is None:
+        return target_forward(model, input_ids, cache, **kwargs), None
+    with tap.capture():
+        out = target_forward(model, input_ids, cache, **kwargs)
+    return out, tap.features()
 
 
 def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor | None:
@@ -90,9 +170,8 @@ def verify(model, cache, tree: Tree, prefix_len: int, feature_layers: tuple[int,
             extra = {TREE_KWARG: dt.attention()}  # the backend builds its own mask on the device
         else:
             mask = dt.additive_mask(model.dtype)
-    out = target_forward(model, dt.tokens[None], cache, position_ids=dt.position_ids,
-                         attention_mask=mask, hidden=bool(feature_layers), **extra)
-    feats = gather_features(out.hidden_states, feature_layers) if feature_layers else None
+    out, feats = forward_with_features(model, dt.tokens[None], cache, feature_layers, position_ids=dt.position_ids,
+                                       attention_mask=mask, **extra)
     return VerifyOutput(logits=out.logits[0], features=feats)
 
 

@@ -12,9 +12,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
+from engine.sampling import MAX_STOP_CHARS
+
 #: torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_STOP = 4
+#: Most messages in one chat request.
+MAX_MESSAGES = 1024
+#: max_tokens of a text completion that does not say (the OpenAI API's default).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 class APIError(Exception):
@@ -129,6 +135,8 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop strings are allowed (got {len(items)})")
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -167,7 +175,7 @@ class _SamplingFields(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions body."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -243,6 +251,10 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise ValueError("suffix is not supported by this server")
         return v
+
+    def requested_max_tokens(self) -> int:
+        """max_tokens, or 16 when not given (the OpenAI API's default for text completions)."""
+        return self.max_tokens if self.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:

@@ -11,8 +11,13 @@ for the speedup estimate, then loops: admit waiting requests in arrival order up
 interleave steps of several sequences (each owns its cache), the seam where a later
 batched step plugs in.
 
-A request whose `cancel()` was called (client gone, shutdown) is finished with
-'cancelled' before its next step, so it runs at most one more step.
+Admission counts live requests only: at most `max_running + max_queue` requests are
+admitted or waiting at once (so `max_queue=0` means "no waiting room", not "refuse all").
+A request whose `cancel()` was called (client gone, shutdown) leaves the waiting queue at
+once, or is finished with 'cancelled' before its next step if it is running, so it runs at
+most one more step and its slot is free for the next request. A client that stops reading
+while keeping its connection open is cancelled after `stall_timeout` seconds without
+reading. Finished requests leave a small `FinishedRequest` record (bounded history).
 """
 from __future__ import annotations
 
@@ -27,26 +32,60 @@ from typing import Callable
 
 from engine.accounting import StepStats, StepSummary, summarize
 from engine.engine import Engine, GenerationEvent, ModelInfo, Sequence
-from engine.sampling import SamplingParams
+from engine.sampling import RequestError, SamplingParams
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue holds `max_queue` requests already (HTTP 429)."""
+    """`max_running + max_queue` live requests are admitted or waiting already (HTTP 429)."""
 
 
 class NotReadyError(RuntimeError):
-    """The model is still loading, failed to load, or the server is shutting down (HTTP 503)."""
+    """The model is still loading, failed to load, or the server is shutting down (HTTP 503).
+
+    code: 'model_not_ready' (loading), 'engine_failed' (load failed or the worker stopped),
+    'shutting_down'.
+    """
+
+    def __init__(self, message: str, code: str = "model_not_ready"):
+        super().__init__(message)
+        self.code = code
 
 
 class RequestFailed(RuntimeError):
-    """Delivered through a sink when the engine raised while serving the request."""
+    """Delivered through a sink when the engine raised while serving the request.
 
-    def __init__(self, message: str, client_error: bool = False):
+    client_error: the engine refused the input (RequestError, HTTP 400); param names the
+    offending field. Otherwise an internal error (HTTP 500): the message carries only the
+    request id, the details go to the log.
+    """
+
+    def __init__(self, message: str, client_error: bool = False, param: str | None = None):
         super().__init__(message)
-        self.client_error = client_error  # True: the engine refused the input (ValueError): HTTP 400
+        self.client_error = client_error
+        self.param = param
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What the scheduler remembers of a finished request (a few hundred bytes, no tokens).
+
+    Times are time.perf_counter() seconds (None when the request never got there).
+    steps_after_cancel: steps run after cancel() was called (None if never cancelled).
+    """
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    n_tokens: int
+    summary: StepSummary
+    steps_after_cancel: int | None
+    arrival: float
+    started: float | None
+    first_token: float | None
+    finished: float
 
 
 @dataclass
@@ -72,13 +111,35 @@ class EngineRequest:
     steps: list[StepStats] = field(default_factory=list)
     steps_at_cancel: int | None = None  # len(steps) when cancel() was called
     seq: Sequence | None = None
+    #: Events delivered (written by the worker only) and read (by the client's loop only), when
+    #: the client last read and since when the oldest unread event waits (perf_counter).
+    delivered: int = 0
+    read: int = 0
+    last_read: float = 0.0
+    unread_since: float = 0.0
+    on_cancel: Callable[["EngineRequest"], None] | None = None
+    final: FinishedRequest | None = None
     _cancel: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Ask the worker to stop this request before its next step (thread-safe, idempotent)."""
+        """Stop this request (thread-safe, idempotent): a waiting one leaves the queue at once
+        (through `on_cancel`, set by the scheduler), a running one before its next step."""
         if not self._cancel.is_set():
             self.steps_at_cancel = len(self.steps)
             self._cancel.set()
+            if self.on_cancel is not None:
+                self.on_cancel(self)
+
+    def stalled(self, now: float, timeout: float) -> bool:
+        """True when delivered events have waited unread, with no read at all, for `timeout` s."""
+        return (self.delivered > self.read and now - self.unread_since > timeout
+                and now - self.last_read > timeout)
+
+    def record(self) -> FinishedRequest:
+        """The small record kept after the request finished."""
+        return FinishedRequest(self.request_id, self.finish_reason or "error", len(self.prompt_ids), self.n_tokens,
+                               summarize(self.steps), self.steps_after_cancel, self.arrival, self.started,
+                               self.first_token, self.finished or time.perf_counter())
 
     @property
     def cancelled(self) -> bool:
@@ -114,7 +175,8 @@ class GenerationStream:
 
     def summary(self) -> StepSummary:
         """The request's speculative figures so far (steps, tau, tree size, token counts)."""
-        return summarize(self.request.steps)
+        req = self.request
+        return req.final.summary if req.final is not None else summarize(req.steps)
 
     def __aiter__(self) -> "GenerationStream":
         return self
@@ -127,6 +189,9 @@ class GenerationStream:
         except BaseException:  # the consumer was cancelled while waiting: nobody will read on
             self.close()
             raise
+        req = self.request
+        req.read += 1
+        req.last_read = time.perf_counter()
         if isinstance(item, RequestFailed):
             self._done = True
             raise item
@@ -151,16 +216,20 @@ class Scheduler:
     """FIFO admission from a bounded queue into at most `max_running` sequences, one worker thread.
 
     engine_factory: called once on the worker thread; returns the Engine.
-    max_queue: waiting requests allowed (submit raises QueueFullError beyond it).
+    max_queue: requests allowed to wait beyond the `max_running` being decoded (submit
+    raises QueueFullError beyond `max_running + max_queue` live requests).
     max_running: sequences decoded concurrently (interleaved step by step).
     metrics: ServerMetrics to update (None: no metrics).
-    history: how many finished requests `recent` keeps (for tests and debugging).
+    history: how many FinishedRequest records `recent` keeps (for tests and debugging).
+    stall_timeout: seconds a client may leave delivered events unread before its request is
+    cancelled (it stopped reading but kept the connection open).
     """
 
     def __init__(self, engine_factory: Callable[[], Engine], max_queue: int = 64, max_running: int = 1,
-                 metrics: ServerMetrics | None = None, history: int = 256):
+                 metrics: ServerMetrics | None = None, history: int = 256, stall_timeout: float = 30.0):
         if max_queue < 0 or max_running < 1:
             raise ValueError(f"need max_queue >= 0 and max_running >= 1, got {max_queue}, {max_running}")
+        self.stall_timeout = float(stall_timeout)
         self._factory = engine_factory
         self.max_queue = max_queue
         self.max_running = max_running
@@ -169,7 +238,8 @@ class Scheduler:
         self._info: ModelInfo | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self.recent: deque[EngineRequest] = deque(maxlen=history)
+        self.recent: deque[FinishedRequest] = deque(maxlen=history)
+        self.worker_failed = False
         self._waiting: deque[EngineRequest] = deque()
         self._running: list[EngineRequest] = []
         self._cv = threading.Condition()
@@ -186,12 +256,23 @@ class Scheduler:
         self._thread = threading.Thread(target=self._main, name="bastion-engine", daemon=True)
         self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Stop accepting; let queued and running requests finish for up to `timeout` seconds,
-        then cancel what remains and join the worker. Returns True if the worker exited."""
+    @property
+    def draining(self) -> bool:
+        """True once shutdown began: new requests are refused (HTTP 503)."""
+        return not self._accepting
+
+    def begin_drain(self) -> None:
+        """Stop admitting new requests; those already queued or running go on."""
         with self._cv:
             self._accepting = False
             self._cv.notify_all()
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop accepting; let queued and running requests finish for up to `timeout` seconds,
+        then cancel what remains (their streams get the final 'cancelled' event) and join the
+        worker. Returns True if the worker exited; False (logged) when it is still busy, e.g.
+        inside a long prefill."""
+        self.begin_drain()
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cv:
             while (self._waiting or self._running) and time.monotonic() < deadline:
@@ -202,7 +283,10 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, timeout))
-            return not self._thread.is_alive()
+            if self._thread.is_alive():
+                log.warning("the engine worker did not stop within %.0f s (busy in a forward); exiting anyway",
+                            max(5.0, timeout))
+                return False
         return True
 
     # ---- the HTTP side ---------------------------------------------------------------------
@@ -230,26 +314,51 @@ class Scheduler:
     def submit(self, req: EngineRequest) -> None:
         """Queue a request (thread-safe; never blocks on model work).
 
-        Raises NotReadyError while loading / after shutdown began, QueueFullError when
-        `max_queue` requests are already waiting.
+        Raises NotReadyError while loading, after a failure or once shutdown began, and
+        QueueFullError when `max_running + max_queue` live requests are admitted or waiting.
         """
         with self._cv:
-            if not self._accepting:
-                raise NotReadyError("the server is shutting down")
-            if not self.ready.is_set():
-                raise NotReadyError("the model is still loading" if self.load_error is None
-                                    else f"the model failed to load: {self.load_error}")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._check_admission()
+            req.on_cancel = self._withdraw
             self._waiting.append(req)
             self._gauges()
             self._cv.notify_all()
 
+    def check_admission(self) -> None:
+        """Raise what `submit` would raise now (cheap: lets the HTTP layer refuse before
+        tokenising); a later submit may still be refused."""
+        with self._cv:
+            self._check_admission()
+
+    def _check_admission(self) -> None:
+        if not self._accepting:
+            raise NotReadyError("the server is shutting down", "shutting_down")
+        if self.worker_failed or (self.load_error is not None and not self.ready.is_set()):
+            what = "the engine worker stopped" if self.worker_failed else "the model failed to load"
+            raise NotReadyError(f"{what}; see the server log", "engine_failed")
+        if not self.ready.is_set():
+            raise NotReadyError("the model is still loading", "model_not_ready")
+        live = len(self._waiting) + sum(1 for r in self._running if r.finish_reason is None)
+        if live >= self.max_running + self.max_queue:
+            raise QueueFullError(f"the server is at capacity ({self.max_running} running, {self.max_queue} "
+                                 "waiting); retry later")
+
+    def _withdraw(self, req: EngineRequest) -> None:
+        """A cancelled request still waiting leaves the queue now and is finished 'cancelled'."""
+        with self._cv:
+            try:
+                self._waiting.remove(req)
+            except ValueError:  # already admitted (the worker finishes it) or gone
+                return
+            self._gauges()
+            self._cv.notify_all()
+        self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
+
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 100000000}"
 
-    def find_finished(self, request_id: str) -> EngineRequest | None:
-        """The finished request with this id among the last `history` ones, else None (thread-safe)."""
+    def find_finished(self, request_id: str) -> FinishedRequest | None:
+        """The record of the finished request with this id among the last `history` ones, else None."""
         with self._cv:
             return next((r for r in self.recent if r.request_id == request_id), None)
 
@@ -286,6 +395,7 @@ class Scheduler:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - a scheduler bug: stop serving visibly, never hang clients
             log.exception("engine worker stopped")
+            self.worker_failed = True
             self.ready.clear()
             self.load_error = e
             if self.metrics is not None:
@@ -296,7 +406,8 @@ class Scheduler:
                 self._running.clear()
             for req in pending:
                 if req.finish_reason is None:
-                    self._fail(req, RequestFailed("internal error: the engine worker stopped"))
+                    self._fail(req, RequestFailed(f"internal error (request {req.request_id}): the engine "
+                                                  "worker stopped"))
 
     def _time_one_token(self) -> float:
         """Seconds of a one-token prefill (the AR step time before any root-only step is seen)."""
@@ -326,12 +437,18 @@ class Scheduler:
                 self._gauges()
             if self._stop:
                 for req in pending:
-                    self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
+                    if req.finish_reason is None:
+                        self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
                 return
             for req in admitted:
                 self._guarded(self._prefill, req)
+            now = time.perf_counter()
             for req in list(self._running):
                 if req.finish_reason is None and req.seq is not None and all(req is not a for a in admitted):
+                    if req.stalled(now, self.stall_timeout):
+                        log.info("%s: the client read nothing for %.0f s; cancelled", req.request_id,
+                                 now - req.last_read)
+                        req.cancel()
                     self._guarded(self._step, req)
             with self._cv:
                 self._running = [r for r in self._running if r.finish_reason is None]
@@ -342,10 +459,10 @@ class Scheduler:
         """Run fn(req); a bug in it fails this request only (HTTP 500), never the worker."""
         try:
             fn(req)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             log.exception("scheduler error on %s", req.request_id)
             if req.finish_reason is None:
-                self._fail(req, RequestFailed(f"internal error: {type(e).__name__}"))
+                self._fail(req, self._internal(req))
 
     def _prefill(self, req: EngineRequest) -> None:
         now = time.perf_counter()
@@ -357,12 +474,12 @@ class Scheduler:
             return
         try:
             req.seq = self.engine.start(req.prompt_ids, req.params)
-        except ValueError as e:
-            self._fail(req, RequestFailed(str(e), client_error=True))
+        except RequestError as e:  # the engine refused the input before any work
+            self._fail(req, RequestFailed(str(e), client_error=True, param=e.param))
             return
-        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+        except Exception:  # noqa: BLE001 - one request's failure must not stop the worker
             log.exception("prefill failed for %s", req.request_id)
-            self._fail(req, RequestFailed(f"internal error during prefill: {type(e).__name__}"))
+            self._fail(req, self._internal(req))
             return
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
@@ -374,12 +491,18 @@ class Scheduler:
             return
         try:
             ev = self.engine.step(req.seq)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001
             log.exception("decoding step failed for %s", req.request_id)
-            self._fail(req, RequestFailed(f"internal error during decoding: {type(e).__name__}"))
+            self._fail(req, self._internal(req))
             return
         req.steps.append(ev.step)
         self._deliver(req, ev)
+
+    @staticmethod
+    def _internal(req: EngineRequest) -> RequestFailed:
+        """An internal error as the client sees it: the request id, no internals (those are logged)."""
+        return RequestFailed(f"internal error while serving request {req.request_id}; the details are in the "
+                             "server log")
 
     def _deliver(self, req: EngineRequest, ev: GenerationEvent) -> None:
         now = time.perf_counter()
@@ -408,16 +531,21 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.requests.labels(finish_reason=reason).inc()
             self.metrics.e2e.observe(req.finished - req.arrival)
-        req.seq = None  # frees the KV cache; `recent` keeps only the statistics
+        req.seq = None  # frees the KV cache and the drafter state
+        record = req.final = req.record()
         with self._cv:
-            self.recent.append(req)
+            self.recent.append(record)
         self._send(req, ev)
+        req.steps = []  # the record holds the summary; keep nothing per step
 
     def _fail(self, req: EngineRequest, err: RequestFailed) -> None:
         self._finish(req, "error", err)
 
     @staticmethod
     def _send(req: EngineRequest, item: object) -> None:
+        if req.delivered == req.read:
+            req.unread_since = time.perf_counter()
+        req.delivered += 1
         try:
             req.sink(item)
         except Exception:  # noqa: BLE001 - the client's loop may be gone (shutdown); never kill the worker

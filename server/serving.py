@@ -18,8 +18,10 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from jinja2.exceptions import TemplateError
+
 from engine.engine import ContextLengthError, ModelInfo
-from engine.sampling import SamplingParams
+from engine.sampling import RequestError, SamplingParams
 from server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                              ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionChunk,
                              CompletionChunkChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
@@ -46,8 +48,18 @@ def sse(obj: dict | str) -> str:
 
 def failure_to_api_error(err: RequestFailed) -> APIError:
     if err.client_error:
-        return APIError(400, str(err), code="invalid_request")
+        return APIError(400, str(err), param=err.param, code="invalid_request")
     return APIError(500, str(err), type="server_error", code="internal_error")
+
+
+def not_ready_error(err: NotReadyError) -> APIError:
+    """503 with Retry-After; the message never carries internals (paths, exception text)."""
+    return APIError(503, str(err), type="server_error", code=err.code, headers={"Retry-After": "5"})
+
+
+#: Tokenisations allowed to wait for the tokenizer thread; more get HTTP 429 (bounds the work
+#: done in front of the scheduler's admission check).
+MAX_PENDING_TOKENIZE = 64
 
 
 CANCELLED = APIError(503, "the request was cancelled because the server is shutting down", type="server_error",
@@ -58,12 +70,17 @@ class OpenAIServing:
     """The endpoints' logic over one Scheduler; it sees the model only as a ModelInfo.
 
     served_model_name: the id clients must send as `model` (None: the target's name once loaded).
+    max_tokens_limit: the most tokens one request may generate (None: the rest of the context);
+    requests asking for more are refused with 400, those that do not say get at most this.
     """
 
-    def __init__(self, scheduler: Scheduler, served_model_name: str | None = None):
+    def __init__(self, scheduler: Scheduler, served_model_name: str | None = None,
+                 max_tokens_limit: int | None = None):
         self.scheduler = scheduler
         self._name = served_model_name
+        self.max_tokens_limit = max_tokens_limit
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bastion-tokenizer")
+        self._tok_pending = 0
         self.created = int(time.time())
 
     def close(self) -> None:
@@ -71,11 +88,18 @@ class OpenAIServing:
 
     @property
     def model(self) -> ModelInfo:
-        """The loaded model's ModelInfo; raises APIError(503) while the model is loading."""
+        """The loaded model's ModelInfo; raises APIError(503) while it is loading, after a
+        failure and while the server shuts down (the code says which)."""
         info = self.scheduler.model_info
-        if info is None:
-            raise APIError(503, "the model is still loading; retry shortly", type="server_error",
-                           code="model_not_ready", headers={"Retry-After": "5"})
+        if info is None or self.scheduler.draining:
+            try:
+                self.scheduler.check_admission()
+            except NotReadyError as e:
+                raise not_ready_error(e) from None
+            except QueueFullError:
+                pass
+            raise APIError(503, "the model is not ready", type="server_error", code="model_not_ready",
+                           headers={"Retry-After": "5"})
         return info
 
     @property
@@ -93,13 +117,40 @@ class OpenAIServing:
             raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    async def _tokenize(self, fn, *args) -> list[int]:
+    async def _tokenize(self, fn, *args, param: str = "messages") -> list[int]:
+        """Run a tokenisation on the tokenizer thread, after a cheap admission check.
+
+        Raises APIError 429/503 when the request would be refused anyway (nothing is
+        tokenised then), 429 when MAX_PENDING_TOKENIZE tokenisations already wait, 400 when
+        the chat template refuses the messages, 500 (logged, no details) for anything else.
+        """
+        self._admission()
+        if self._tok_pending >= MAX_PENDING_TOKENIZE:
+            raise APIError(429, "too many requests are being prepared; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
+        self._tok_pending += 1
         try:
             return await loop.run_in_executor(self._tok_pool, fn, *args)
-        except Exception as e:  # jinja TemplateError, tokenizer ValueError: the input is at fault
-            raise APIError(400, f"the prompt could not be tokenized: {e}", param="messages",
+        except TemplateError as e:  # the template's own check (e.g. roles must alternate): the input's fault
+            raise APIError(400, f"the chat template refused the messages: {e.message}", param=param,
                            code="invalid_prompt") from None
+        except Exception:  # noqa: BLE001 - tokenizer internals are not the client's business
+            log.exception("tokenisation failed")
+            raise APIError(500, "internal error while tokenising the prompt; the details are in the server log",
+                           type="server_error", code="internal_error") from None
+        finally:
+            self._tok_pending -= 1
+
+    def _admission(self) -> None:
+        """Refuse now what the scheduler would refuse at submit (full, loading, draining)."""
+        try:
+            self.scheduler.check_admission()
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except NotReadyError as e:
+            raise not_ready_error(e) from None
 
     def _params(self, body, prompt_len: int) -> SamplingParams:
         """SamplingParams for the request; max_tokens defaults to the remaining context.
@@ -108,18 +159,25 @@ class OpenAIServing:
         """
         info = self.model
         max_tokens = body.requested_max_tokens()
+        limit = self.max_tokens_limit
         if max_tokens is None:
             max_tokens = max(1, info.max_context - prompt_len)
+            if limit is not None:
+                max_tokens = min(max_tokens, limit)
+        elif limit is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds this server's limit of {limit} tokens",
+                           param="max_tokens", code="invalid_value")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
                                 max_tokens=max_tokens, stop=body.stop_list(), seed=body.seed)
+        prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         try:
             params.validate()
             info.check_length(prompt_len, max_tokens)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                           code="context_length_exceeded") from None
-        except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+        except RequestError as e:
+            param = prompt_param if e.param == "messages" else e.param
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
         return params
 
     def _generate(self, prefix: str, prompt_ids: list[int], params: SamplingParams) -> GenerationStream:
@@ -130,7 +188,7 @@ class OpenAIServing:
             raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except NotReadyError as e:
-            raise APIError(503, str(e), type="server_error", code="not_ready", headers={"Retry-After": "5"}) from None
+            raise not_ready_error(e) from None
 
     async def _run_unary(self, stream: GenerationStream, http: Request) -> tuple[str, int, str]:
         """Collect (text, completion tokens, finish_reason), cancelling if the client disconnects.
@@ -230,7 +288,7 @@ class OpenAIServing:
         body: CompletionRequest = parse_request(CompletionRequest, raw)
         self._check_model(body.model)
         info = self.model
-        prompt_ids = await self._tokenize(info.encode_text, body.prompt)
+        prompt_ids = await self._tokenize(info.encode_text, body.prompt, param="prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         params = self._params(body, len(prompt_ids))

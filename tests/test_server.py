@@ -434,7 +434,7 @@ COUNTERS = ["bastion_prompt_tokens_total", "bastion_generation_tokens_total", "b
 def scrape(live) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    text = httpx.get(f"{live.url}/metrics", headers=AUTH, timeout=30).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

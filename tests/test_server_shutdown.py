@@ -84,6 +84,11 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(tmp_path)
         assert s_started.wait(60)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        # Draining: no new work, and /health says so (so a load balancer stops sending).
+        health = httpx.get(f"{url}/health", timeout=5)
+        refused = httpx.post(f"{url}/v1/chat/completions", timeout=5,
+                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         rc = proc.wait(timeout=60)
         elapsed = time.monotonic() - t0
         t_short.join(30)
@@ -101,9 +106,13 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(tmp_path)
     finish = [json.loads(p)["choices"][0]["finish_reason"] for p in short["payloads"][:-1]
               if json.loads(p).get("choices")]
     assert finish[-1] in ("length", "stop")
-    # The long one was cut at the shutdown timeout, far from its 4000 tokens, and never saw [DONE].
+    assert health.status_code == 503 and health.json()["error"]["code"] == "shutting_down"
+    assert refused.status_code == 503 and refused.headers.get("retry-after")
+    # The long one was cut at the shutdown timeout, far from its 4000 tokens: its last frame says
+    # so (while the connection was still open), and it never saw [DONE].
     assert "[DONE]" not in long_["payloads"]
     assert len(long_["payloads"]) < 4000
+    assert json.loads(long_["payloads"][-1])["error"]["code"] == "cancelled", long_["payloads"][-3:]
     # Nothing listens any more.
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)

@@ -1,0 +1,55 @@
+"""The soak and fault test, CI-sized: concurrent, cancelled and bad requests against the real app."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from bastion.loadtest import rss_mb
+from bench.loadtest import run_loadtest
+from engine.engine import Engine, make_controller
+from server.app import ServerConfig, create_app
+
+
+@pytest.mark.slow
+def test_soak_no_5xx_no_lost_answers_no_leaked_slots(target_f32):
+    engine = Engine(target_f32, None, make_controller("ar"))
+    registry = CollectorRegistry()
+    app = create_app(lambda: engine, ServerConfig(max_running=4, max_queue=64, loopback_only=True), registry)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        sched = app.state.scheduler
+        rep = run_loadtest(url, requests=120, clients=16, seed=1, rss=rss_mb, rss_every=20,
+                           slots=lambda: (sched.num_running, sched.num_waiting))
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert rep.requests == 120 and rep.server_errors == 0, rep.summary()
+    assert not rep.problems, rep.problems[:5]
+    assert {"unary", "stream", "bad", "cancel_stream"} <= set(rep.by_kind)
+    assert rep.status.get(200, 0) > 60
+    assert registry.get_sample_value("bastion_http_errors_total", {"status": "500"}) is None
+    growth = rep.rss_growth()
+    assert growth is not None and growth < 0.05, rep.summary()
+    with pytest.raises(ValueError):
+        run_loadtest("http://example.com", requests=1)
