@@ -7,6 +7,8 @@
 #          docker build --target gpu --build-arg FLASH_ATTN=1 -t bastion:gpu-fa .   (long: may compile)
 # Both run `bastion serve` as a non-root user on 0.0.0.0:8000; every flag is also an environment
 # variable BASTION_<FLAG> (BASTION_TARGET, BASTION_DRAFTER, BASTION_MODE, BASTION_API_KEY, ...).
+# Serving 0.0.0.0 needs an API key (docker run -e BASTION_API_KEY=...) unless you say the network
+# is private (-e BASTION_ALLOW_UNAUTHENTICATED=1); without either the container exits with an error.
 # Hugging Face downloads go to /cache/huggingface and converted weights and latency calibrations to
 # /cache/bastion: mount volumes there so they persist.
 

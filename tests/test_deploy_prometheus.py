@@ -187,7 +187,7 @@ def traffic(server, prometheus):
     url, registry = server
     # Prometheus' first scrape must come before the traffic, or the counters start at their final values.
     wait_for(lambda: values(query(prometheus, "bastion_model_ready")) == [1.0], 30, "the first scrape")
-    assert httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=10).status_code == 400
+    assert httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=10).status_code == 400
     assert chat(url, *PROMPTS[0]) == 200  # first, while the controller's gate still drafts
     statuses: list[int] = []
     threads = [threading.Thread(target=lambda a: statuses.append(chat(url, *a)), args=(a,)) for a in PROMPTS[1:]]
