@@ -143,7 +143,7 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
         metrics.http_errors.labels(status=str(err.status)).inc()
         return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
 
-    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Exception):
+    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ClientDisconnect, Exception):
         app.add_exception_handler(exc_type, error_handler)
 
     allowed = {h.lower() for h in config.allowed_hosts}
@@ -154,15 +154,12 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
     def _origin_ok(netloc: str, host: str) -> bool:
         return _host_ok(netloc) or netloc.lower() == host.lower()
 
-    @app.middleware("http")
-    async def refuse_cross_site(request: Request, call_next):
-        """Without a key, refuse what only a browser page on another site would send (docstring)."""
-        if config.api_key is None and request.url.path != "/health":
+    async def refuse_cross_site(request: Request) -> None:
+        """Without a key, refuse what only a browser page on another site would send (module docstring)."""
+        if config.api_key is None:
             err = _cross_site_error(request, _host_ok if config.loopback_only else None, _origin_ok)
             if err is not None:
-                metrics.http_errors.labels(status=str(err.status)).inc()
-                return JSONResponse(err.envelope(), status_code=err.status)
-        return await call_next(request)
+                raise err
 
     def _check_bearer(request: Request, key: str | None) -> None:
         if key is None:
@@ -189,12 +186,12 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
         raise APIError(503, "the model is still loading", type="server_error", code="model_not_ready",
                        headers={"Retry-After": "5"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(refuse_cross_site)])
     async def prometheus_metrics(request: Request):
         _check_bearer(request, config.metrics_key if config.metrics_key is not None else config.api_key)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(refuse_cross_site), Depends(require_api_key)])
 
     @v1.get("/models")
     async def list_models():

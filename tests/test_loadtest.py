@@ -1,6 +1,7 @@
 """The soak and fault test, CI-sized: concurrent, cancelled and bad requests against the real app."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -26,7 +27,13 @@ def test_soak_no_5xx_no_lost_answers_no_leaked_slots(target_f32):
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    errors: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.ERROR)
+    catcher.emit = errors.append  # type: ignore[method-assign]
     thread.start()
+    time.sleep(0.2)  # uvicorn configures its loggers as it starts
+    for name in ("uvicorn.error", "server.app", "server.scheduler"):
+        logging.getLogger(name).addHandler(catcher)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -44,6 +51,9 @@ def test_soak_no_5xx_no_lost_answers_no_leaked_slots(target_f32):
         server.should_exit = True
         thread.join(30)
         sock.close()
+        for name in ("uvicorn.error", "server.app", "server.scheduler"):
+            logging.getLogger(name).removeHandler(catcher)
+    assert not errors, [r.getMessage() for r in errors][:3]  # no "Exception in ASGI application", no tracebacks
     assert rep.requests == 120 and rep.server_errors == 0, rep.summary()
     assert not rep.problems, rep.problems[:5]
     assert {"unary", "stream", "bad", "cancel_stream"} <= set(rep.by_kind)
