@@ -64,18 +64,19 @@ class LoadReport:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
     def rss_growth(self) -> float | None:
-        """Relative RSS growth from the second sample (after warm-up) to the last one."""
-        if len(self.rss_mb) < 3:
+        """Relative RSS growth from the sample after the second batch of requests to the last one
+        (samples: at the start, then every `rss_every` requests)."""
+        if len(self.rss_mb) < 4:
             return None
-        return self.rss_mb[-1][1] / self.rss_mb[1][1] - 1.0
+        return self.rss_mb[-1][1] / self.rss_mb[2][1] - 1.0
 
     def summary(self) -> str:
         growth = self.rss_growth()
-        rss = ", ".join(f"{n}: {mb:.0f} MB" for n, mb in self.rss_mb[:1] + self.rss_mb[1:2] + self.rss_mb[-1:])
+        rss = ", ".join(f"after {n}: {mb:.0f} MB" for n, mb in self.rss_mb[:1] + self.rss_mb[2:3] + self.rss_mb[-1:])
         return (f"{self.requests} requests from {self.clients} clients in {self.duration_s:.0f} s; "
                 f"kinds {self.by_kind}; statuses {dict(sorted(self.status.items()))}; 5xx {self.server_errors}; "
                 f"latency p50 {self.percentile(0.5):.2f} s, p99 {self.percentile(0.99):.2f} s; RSS {rss}"
-                + (f" (growth {100 * growth:+.1f} % from the second sample)" if growth is not None else "")
+                + (f" (growth {100 * growth:+.1f} % since the second batch)" if growth is not None else "")
                 + f"; problems {len(self.problems)}")
 
 
@@ -206,6 +207,8 @@ async def _run(base_url: str, requests: int, clients: int, seed: int, api_key: s
         for item in plan:
             queue.put_nowait(item)
         t0 = time.perf_counter()
+        if rss is not None:
+            rep.rss_mb.append((0, rss()))  # after the references: the model is loaded and warm
 
         async def client() -> None:
             while not queue.empty():

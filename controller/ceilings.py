@@ -52,26 +52,46 @@ class Ceilings:
         return cls(float(d["flops_per_s"]), float(d["bytes_per_s"]), str(d["device"]), str(d.get("source", "given")))
 
 
-def device_name(device: torch.device | str = "cpu") -> str:
-    """Human-readable device name: torch.cuda.get_device_name for CUDA, the CPU model string otherwise.
+#: CPU flags that change how fast a target forward runs (bfloat16 matrix units, vector widths).
+CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
-    The CPU name comes from /proc/cpuinfo ('model name') when readable, else platform.processor()
-    or platform.machine(); the logical core count torch uses is appended (it changes the ceilings).
+
+def cpu_identity() -> tuple[str, tuple[str, ...], int]:
+    """(model name, the CPU_FLAGS present, logical cores) from /proc/cpuinfo and os.cpu_count().
+
+    Two machines that report the same model name ("Intel(R) Xeon(R) Processor") may differ in
+    AMX, and a bfloat16 forward then costs several times more on one than the other.
     """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = ""
+    import os
+
+    name, flags = "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.lower().startswith("model name"):
+                low = line.lower()
+                if not name and low.startswith("model name"):
                     name = line.split(":", 1)[1].strip()
+                elif not flags and low.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                if name and flags:
                     break
     except OSError:
         pass
     name = name or platform.processor() or platform.machine() or "cpu"
-    return f"{name} ({torch.get_num_threads()} threads)"
+    return name, tuple(f for f in CPU_FLAGS if f in flags), os.cpu_count() or 1
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """Device identity for reports and calibration caches: the CUDA device name, or for a CPU its
+    model string, the speed-relevant flags it has (CPU_FLAGS), its logical cores and the torch
+    threads in use (each changes the ceilings), e.g. "Intel(R) Xeon(R) [amx_bf16 avx2] (2 cores, 2 threads)".
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name, flags, cores = cpu_identity()
+    flag_text = f" [{' '.join(flags)}]" if flags else ""
+    return f"{name}{flag_text} ({cores} cores, {torch.get_num_threads()} threads)"
 
 
 def datasheet_ceilings(name: str) -> Ceilings | None:

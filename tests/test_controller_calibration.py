@@ -155,7 +155,37 @@ def test_ceilings_microbenchmarks_and_datasheet():
     assert datasheet_ceilings("NVIDIA H100 PCIe").flops_per_s == 756e12
     assert datasheet_ceilings("NVIDIA H200").bytes_per_s == 4.8e12
     assert datasheet_ceilings("Intel(R) Xeon(R)") is None
-    assert f"({torch.get_num_threads()} threads)" in device_name("cpu")
+    assert f" threads)" in device_name("cpu") and f"{torch.get_num_threads()} threads" in device_name("cpu")
+
+
+def test_cpu_identity_tells_apart_machines_with_the_same_model_name(monkeypatch, tmp_path):
+    """Same "Intel(R) Xeon(R) Processor" string, one with AMX and one without: different cache keys."""
+    import builtins
+
+    from controller import ceilings
+
+    def fake_cpuinfo(flags: str):
+        text = f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu {flags}\n"
+        real_open = builtins.open
+
+        def fake_open(path, *a, **k):
+            if str(path) == "/proc/cpuinfo":
+                f = tmp_path / f"cpuinfo-{len(flags)}"
+                f.write_text(text)
+                return real_open(f, *a, **k)
+            return real_open(path, *a, **k)
+        return fake_open
+
+    monkeypatch.setattr(builtins, "open", fake_cpuinfo("avx2 avx512f avx512_bf16 amx_bf16 amx_tile"))
+    with_amx = ceilings.device_name("cpu")
+    monkeypatch.setattr(builtins, "open", fake_cpuinfo("avx2"))
+    without = ceilings.device_name("cpu")
+    assert "amx_bf16" in with_amx and "amx_bf16" not in without and with_amx != without
+    assert without.startswith("Intel(R) Xeon(R) Processor [avx2] (")
+    shape = SHAPE
+    grid = cal.CalibrationGrid((1, 2), (16,))
+    keys = [cal.cache_key("m", d, torch.float32, "sdpa", shape, grid) for d in (with_amx, without)]
+    assert keys[0] != keys[1] and cal.cache_path(tmp_path, keys[0]) != cal.cache_path(tmp_path, keys[1])
 
 
 def test_calibrate_real_tiny_forward(tmp_path):

@@ -310,6 +310,10 @@ def test_request_limits_name_their_parameter():
             r = httpx.post(f"{srv.url}{C}", json=body, timeout=30)
             assert r.status_code == 400, (param, r.text)
             assert r.json()["error"]["param"] == param
+        for raw, param in ((b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', "temperature"),
+                           (b'{"messages": [{"role": "user", "content": "a"}], "top_p": Infinity}', "top_p")):
+            r = httpx.post(f"{srv.url}{C}", content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
         # A text completion that does not say how long gets OpenAI's 16, not the whole context.
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
