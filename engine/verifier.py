@@ -133,13 +133,6 @@ def forward_with_features(model, input_ids: torch.Tensor, cache, feature_layers:
     return out, tap.features()
 
 
-def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor | None:
-    """Concatenate hidden_states[l][0] for l in layers -> [n, len(layers) * H] (None if no layers)."""
-    if not layers:
-        return None
-    return torch.cat([hidden_states[l][0] for l in layers], dim=-1)
-
-
 _POOLS: dict[torch.device, TreeBufferPool] = {}
 
 

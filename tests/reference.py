@@ -3,6 +3,8 @@
 ancestor_matrix / tree_attention_mask: the tree mask built with numpy on the host.
 accept_greedy: greedy acceptance as a Python walk over the tree (engine/greedy_device.py must agree).
 reference_tree_attention: float64 attention with a dense mask and repeated KV heads.
+gather_features: drafter features taken from all of a forward's hidden states (the engine
+captures only the layers it needs, engine.verifier.FeatureTap).
 """
 from __future__ import annotations
 
@@ -65,3 +67,10 @@ def reference_tree_attention(q, k, v, tree: TreeAttention, scale: float) -> torc
     scores = torch.matmul(q.double(), kr.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~tree.visible(), -math.inf)
     return torch.matmul(torch.softmax(scores, dim=-1), vr).to(q.dtype)
+
+
+def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor | None:
+    """Concatenate hidden_states[l][0] for l in layers -> [n, len(layers) * H] (None if no layers)."""
+    if not layers:
+        return None
+    return torch.cat([hidden_states[l][0] for l in layers], dim=-1)

@@ -9,7 +9,8 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine
 from engine.sampling import GREEDY_EPSILON, MAX_STOP_CHARS, RequestError, SamplingParams
-from engine.verifier import FeatureTap, forward_with_features, gather_features, target_forward
+from engine.verifier import FeatureTap, forward_with_features, target_forward
+from reference import gather_features
 from helpers import tiny_target
 
 

@@ -225,7 +225,8 @@ def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_dr
     eng = Engine(target_f32)
     ids = eng.chat_prompt_ids([{"role": "user", "content": "Copy this list twice: apple, pear, plum, fig."}])
     st = h.new_state()
-    from engine.verifier import gather_features, target_forward
+    from engine.verifier import target_forward
+    from reference import gather_features
     from transformers import DynamicCache
 
     with torch.inference_mode():
