@@ -7,10 +7,7 @@ resident memory growth under --max-rss-growth), 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
-import threading
-import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,14 +33,13 @@ def rss_mb() -> float:
 
 
 def run(args) -> int:
-    import httpx
-    import uvicorn
     from prometheus_client import CollectorRegistry
 
     from bastion.factory import build_engine
     from bastion.settings import settings_from_args
     from bench.loadtest import run_loadtest
     from server.app import ServerConfig, create_app
+    from server.local import LocalServer
 
     settings = settings_from_args(args)
     if settings.mode is None:
@@ -51,30 +47,10 @@ def run(args) -> int:
     app = create_app(lambda: build_engine(settings),
                      ServerConfig(max_running=args.max_running, max_queue=args.max_queue, loopback_only=True),
                      CollectorRegistry())
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise ValueError("the server did not become ready")
-            time.sleep(0.2)
-        sched = app.state.scheduler
-        report = run_loadtest(url, args.requests, args.clients, args.seed, rss=rss_mb,
+    sched = app.state.scheduler
+    with LocalServer(app, ready_timeout=600) as srv:
+        report = run_loadtest(srv.url, args.requests, args.clients, args.seed, rss=rss_mb,
                               slots=lambda: (sched.num_running, sched.num_waiting))
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
     print(report.summary())
     growth = report.rss_growth()
     problems = list(report.problems)

@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import logging
-import socket
-import threading
-import time
 
-import httpx
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from bastion.loadtest import rss_mb
 from bench.loadtest import run_loadtest
 from engine.engine import Engine, make_controller
 from server.app import ServerConfig, create_app
+from server.local import LocalServer
 
 
 @pytest.mark.slow
@@ -22,37 +18,20 @@ def test_soak_no_5xx_no_lost_answers_no_leaked_slots(target_f32):
     engine = Engine(target_f32, None, make_controller("ar"))
     registry = CollectorRegistry()
     app = create_app(lambda: engine, ServerConfig(max_running=4, max_queue=64, loopback_only=True), registry)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     errors: list[logging.LogRecord] = []
     catcher = logging.Handler(logging.ERROR)
     catcher.emit = errors.append  # type: ignore[method-assign]
-    thread.start()
-    time.sleep(0.2)  # uvicorn configures its loggers as it starts
-    for name in ("uvicorn.error", "server.app", "server.scheduler"):
-        logging.getLogger(name).addHandler(catcher)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        sched = app.state.scheduler
-        rep = run_loadtest(url, requests=120, clients=16, seed=1, rss=rss_mb, rss_every=20,
-                           slots=lambda: (sched.num_running, sched.num_waiting))
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        for name in ("uvicorn.error", "server.app", "server.scheduler"):
-            logging.getLogger(name).removeHandler(catcher)
+    names = ("uvicorn.error", "server.app", "server.scheduler")
+    sched = app.state.scheduler
+    with LocalServer(app) as srv:
+        for name in names:  # after uvicorn has configured its loggers
+            logging.getLogger(name).addHandler(catcher)
+        try:
+            rep = run_loadtest(srv.url, requests=120, clients=16, seed=1, rss=rss_mb, rss_every=20,
+                               slots=lambda: (sched.num_running, sched.num_waiting))
+        finally:
+            for name in names:
+                logging.getLogger(name).removeHandler(catcher)
     assert not errors, [r.getMessage() for r in errors][:3]  # no "Exception in ASGI application", no tracebacks
     assert rep.requests == 120 and rep.server_errors == 0, rep.summary()
     assert not rep.problems, rep.problems[:5]

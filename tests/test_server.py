@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from engine.engine import Engine
 from engine.engine import make_controller as fixed_mode
 from engine.sampling import SamplingParams
 from server.app import ServerConfig, create_app
+from server.local import LocalServer
 
 KEY = "sk-test-key"
 MODEL = "smollm2"
@@ -74,26 +73,8 @@ def live(target_f32):
     registry = CollectorRegistry()
     app = create_app(lambda: engine, ServerConfig(served_model_name=MODEL, api_key=KEY, max_queue=16,
                                                    max_running=4, max_body_bytes=1024 * 1024), registry)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become ready"
-        time.sleep(0.1)
-    yield Live(url, app, engine, registry)
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with LocalServer(app) as srv:
+        yield Live(srv.url, app, engine, registry)
 
 
 @pytest.fixture()

@@ -14,13 +14,13 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from engine.accounting import StepAccounting, StepStats
 from engine.engine import ContextLengthError, GenerationEvent, ModelInfo
 from engine.sampling import RequestError
 from server.app import ServerConfig, create_app
+from server.local import LocalServer
 from server.scheduler import EngineRequest, NotReadyError, QueueFullError, RequestFailed, Scheduler
 
 C = "/v1/chat/completions"
@@ -217,35 +217,13 @@ def test_a_dead_worker_says_so_instead_of_still_loading(monkeypatch):
 
 
 # ---- the HTTP layer --------------------------------------------------------------------------------------------
-class Server:
-    """The real app over a FakeEngine on a uvicorn thread (a free loopback port)."""
+class Server(LocalServer):
+    """The real app over a FakeEngine on a loopback port."""
 
     def __init__(self, config: ServerConfig, engine: FakeEngine | None = None):
         self.engine = engine or FakeEngine()
         self.registry = CollectorRegistry()
-        self.app = create_app(lambda: self.engine, config, self.registry)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "Server":
-        self.thread.start()
-        wait_for(lambda: self._healthy(), 20)
-        return self
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
+        super().__init__(create_app(lambda: self.engine, config, self.registry), ready_timeout=20)
 
     @property
     def scheduler(self) -> Scheduler:
