@@ -11,9 +11,12 @@ Definitions (docs/method.md, section 1):
 - a step is one target forward over a tree (a plain step is a root-only tree, tau = 1);
 - draft tokens: tree nodes verified, root excluded;
 - accepted tokens: drafted (non-root, non-bonus) tokens that were committed;
-- estimated speedup over AR: tau x (AR step seconds) / (speculative step seconds) over the
-  speculative steps, where the AR step time is the mean verify time of root-only steps, or a
-  one-token forward timed at start-up (`ar_probe_s`) before any such step was seen.
+- estimated speedup over AR: (AR step seconds) x (tokens committed / step seconds) over every
+  step, drafted or not, with recent steps weighing most (each step's weight decays by
+  SPEEDUP_DECAY per later step, about the last 200 steps count); the AR step time is the
+  same-weighted mean of whole root-only steps (draft + verify + other seconds), or a one-token
+  forward timed at start-up (`ar_probe_s`) before any such step was seen. Plain decoding alone
+  reads exactly 1.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ ACCEPT_BUCKETS = tuple(range(1, 17)) + (24, 32)
 #: Deepest depth counted in the per-depth acceptance totals (published drafters reach 15).
 MAX_DEPTH_LABEL = 32
 STEP_KINDS = ("draft", "cheap", "plain")
+#: Per-step decay of the speedup estimate's sums (about the last 200 steps dominate).
+SPEEDUP_DECAY = 0.995
 
 
 @dataclass
@@ -136,11 +141,11 @@ class StepAccounting:
         self.accepted_per_depth = [0] * MAX_DEPTH_LABEL
         self.tree_size = Histogram(SIZE_BUCKETS)
         self.accepted_length = Histogram(ACCEPT_BUCKETS)
-        self._ar_n = 0
-        self._ar_verify_s = 0.0
-        self._spec_n = 0
-        self._spec_tokens = 0
-        self._spec_s = 0.0
+        # Decayed sums: root-only steps (weight, seconds) and all steps (tokens, seconds).
+        self._ar_w = 0.0
+        self._ar_s = 0.0
+        self._tokens = 0.0
+        self._seconds = 0.0
 
     @property
     def steps(self) -> int:
@@ -157,27 +162,28 @@ class StepAccounting:
                 self.accepted_per_depth[d] += 1
             self.tree_size.observe(st.tree_size)
             self.accepted_length.observe(st.accepted)
+            seconds = st.draft_s + st.verify_s + st.other_s
+            d = SPEEDUP_DECAY
+            self._ar_w, self._ar_s = d * self._ar_w, d * self._ar_s
             if st.tree_size <= 1:
-                self._ar_n += 1
-                self._ar_verify_s += st.verify_s
-            else:
-                self._spec_n += 1
-                self._spec_tokens += st.accepted
-                self._spec_s += st.draft_s + st.verify_s + st.other_s
+                self._ar_w += 1.0
+                self._ar_s += seconds
+            self._tokens = d * self._tokens + st.accepted
+            self._seconds = d * self._seconds + seconds
 
     @property
     def ar_step_s(self) -> float | None:
-        """Mean verify seconds of root-only steps, else the start-up probe, else None."""
-        if self._ar_n:
-            return self._ar_verify_s / self._ar_n
+        """Recent mean seconds of a whole root-only step, else the start-up probe, else None."""
+        if self._ar_w > 1e-9:
+            return self._ar_s / self._ar_w
         return self.ar_probe_s
 
     def speedup(self) -> float:
-        """tau x AR step seconds / speculative step seconds over speculative steps; 1.0 when undefined."""
+        """AR step seconds x recent tokens per second over every step; 1.0 when undefined."""
         ar = self.ar_step_s
-        if not self._spec_n or ar is None or self._spec_s <= 0:
+        if ar is None or self._seconds <= 0:
             return 1.0
-        return (self._spec_tokens / self._spec_n) * ar / (self._spec_s / self._spec_n)
+        return ar * self._tokens / self._seconds
 
     def snapshot(self) -> "StepAccounting":
         """A consistent copy of the totals, taken under the lock (for exporters)."""
@@ -187,6 +193,6 @@ class StepAccounting:
             out.draft_tokens, out.accepted_tokens = self.draft_tokens, self.accepted_tokens
             out.accepted_per_depth = list(self.accepted_per_depth)
             out.tree_size, out.accepted_length = self.tree_size.copy(), self.accepted_length.copy()
-            out._ar_n, out._ar_verify_s = self._ar_n, self._ar_verify_s
-            out._spec_n, out._spec_tokens, out._spec_s = self._spec_n, self._spec_tokens, self._spec_s
+            out._ar_w, out._ar_s = self._ar_w, self._ar_s
+            out._tokens, out._seconds = self._tokens, self._seconds
         return out

@@ -111,7 +111,7 @@ class Tree:
 
 
 def build_tree(root: int, proposal: Proposal | None, policy: StoppingPolicy, max_depth: int) -> Tree:
-    """Grow the tree best-first by path score rho (docs/method.md, section 3; paper section 3.2).
+    """Grow the tree best-first by path score rho (docs/method.md, section 3).
 
     The one best-first loop of the project: every proposal form is read through its
     ChildSource view (`proposal.source(policy.top_k)`), and the policy alone decides when

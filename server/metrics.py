@@ -106,5 +106,6 @@ class StepCollector(Collector):
                                 ("bastion_accepted_length_tokens", "Tokens committed per step, bonus included",
                                  acc.accepted_length)):
             yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
-        yield GaugeMetricFamily("bastion_estimated_speedup", "Estimated speedup over AR: tau x AR step seconds / "
-                                "speculative step seconds (1 when no speculative step ran)", value=acc.speedup())
+        yield GaugeMetricFamily("bastion_estimated_speedup", "Estimated speedup over AR of the recent steps: AR step "
+                                "seconds x tokens per second over every step (1 for plain decoding)",
+                                value=acc.speedup())
