@@ -144,8 +144,7 @@ class BudgetController:
         return self.surrogate.correct(proposal)
 
     def ar_step_seconds(self, context_len: int) -> float:
-        """Predicted seconds of one plain decoding step at context_len: C(1, c) plus the measured
-        overhead of plain steps (for reports; the gate uses measured step times only)."""
+        """Expected seconds of one plain decoding step at context_len: C(1, c) plus measured AR overhead."""
         return self.verify_costs(context_len)[1] + self._ar_overhead.value
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
@@ -165,17 +164,16 @@ class BudgetController:
         costs = self.verify_costs(c)
         predicted = costs[s] if s < len(costs) else self.model.predict(s, c)
         self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
-        # The gate compares measured throughputs (controller/gate.py); the model's plain-step time
-        # stands in only until a plain step has been measured.
-        self.gate.prior("off", 1.0 / max(self.ar_step_seconds(c), 1e-9))
-        self.gate.record(drafted, accepted, draft_s + verify_s + other_s)
         if drafted:
+            step_s = max(draft_s + verify_s + other_s, 1e-12)
+            self.gate.record(True, accepted * self.ar_step_seconds(c) / step_s)
             self.surrogate.record(a_hat, accepted, depth_mass)
         else:
             if s == 1:
                 self._ar_overhead.add(verify_s + other_s - costs[1])
             if cheap:
                 self.surrogate.record(a_hat, accepted, depth_mass)
+            self.gate.record(False)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self.step_kinds[kind] += 1

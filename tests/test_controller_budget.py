@@ -41,79 +41,45 @@ def plain_step(ctl, c):
     ctl.record_step(1, c, ctl.model.predict(1, c), 0.0, 5e-4, 1.0, 1, drafted=False)
 
 
-class SimulatedMachine:
-    """Synthetic step times and acceptance: a plain step costs t_ar, a drafted one t_spec and
-    commits `accepted` tokens; `run` drives a gate for n steps and returns the arms it chose."""
-
-    def __init__(self, t_ar: float = 0.040, t_spec: float = 0.060, accepted: float = 3.0):
-        self.t_ar, self.t_spec, self.accepted = t_ar, t_spec, accepted
-
-    def run(self, gate: SpeculationGate, n: int) -> list[bool]:
-        chosen = []
-        for _ in range(n):
-            drafted = gate.should_draft()
-            chosen.append(drafted)
-            if drafted:
-                gate.record(True, int(self.accepted), self.t_spec)
-            else:
-                gate.record(False, 1, self.t_ar)
-        return chosen
-
-
-def test_gate_turns_a_useless_drafter_down_and_a_useful_one_back_up_within_bounded_steps():
-    g = SpeculationGate(explore_every=16)
-    sim = SimulatedMachine(accepted=3.0)  # 3 tokens in 60 ms vs 1 in 40 ms: drafting pays 2x
-    assert sum(sim.run(g, 100)[-50:]) >= 50 - 50 // g.off_every - 1  # drafts, re-measuring 'off' rarely
-    sim.accepted = 1.0  # the drafter becomes useless: 1 token in 60 ms
-    chosen = sim.run(g, 200)
-    first_off = chosen.index(False)
-    assert first_off <= 5  # turned down within a few steps (the average needs 4 to cross)
-    tail = chosen[20:]
-    assert sum(tail) <= len(tail) / 16 + 2  # from then on only the bounded exploration drafts
-    sim.accepted = 4.0  # useful again
-    chosen = sim.run(g, 100)
-    back = next(i for i in range(len(chosen) - 8) if all(chosen[i:i + 8]))
-    assert back <= 16 + 4  # back up within one exploration period (plus a few steps of averaging)
-    assert g.switches_off >= 1 and g.gain > 1.5
-
-
-def test_no_measurement_sequence_keeps_drafting_off_when_it_pays():
-    """A terrible start (a busy machine, a hard first prompt) cannot lock drafting out."""
-    g = SpeculationGate(explore_every=16)
-    for _ in range(2):
-        g.record(True, 1, 1.0)  # two awful probes: 1 token per second
-    for _ in range(5):
-        g.record(False, 1, 0.040)
-    assert not g.should_draft()
-    chosen = SimulatedMachine(accepted=3.0).run(g, 1000)  # drafting really pays 2x
-    # Off at most for the recovery (two tries of drafting, 16 steps apart) plus the rate at which
-    # 'off' is re-measured while drafting leads.
-    assert chosen.count(False) <= 2 * 17 + 1000 / g.off_every + 2
-
-
-def test_gate_options_and_always_draft():
-    with pytest.raises(ValueError):
-        SpeculationGate(explore_every=0)
-    with pytest.raises(ValueError):
-        SpeculationGate(alpha=0.0)
-    g = SpeculationGate(enabled=False)
-    assert all(SimulatedMachine(accepted=1.0).run(g, 50))  # measuring acceptance: never gated off
-
-
-def test_a_spoiled_calibration_does_not_switch_a_paying_drafter_off():
-    """The model under-predicts C(1) by half (calibrated while the machine was busy); measured
-    step times decide, so a drafter that pays 1.5x keeps drafting."""
+def test_gate_turns_off_for_useless_drafter_backs_off_and_recovers():
     ctl = make_controller()
-    spoiled = ctl.model
     c = 300
-    t_ar = 2.0 * spoiled.predict(1, c)  # the truth: plain steps cost twice the prediction
-    for _ in range(200):
-        if ctl.should_draft():
-            ctl.record_step(16, c, 2.0 * spoiled.predict(16, c), 2e-3, 1e-3, 3.0,
-                            max(1, round(1.5 * (2.0 * spoiled.predict(16, c) + 3e-3) / t_ar)))
-        else:
-            ctl.record_step(1, c, t_ar, 0.0, 5e-4, 1.0, 1, drafted=False)
-    assert ctl.step_kinds["draft"] >= 200 - 200 // 16 - 4
+    assert ctl.should_draft()
+    for _ in range(2):  # first probe: accepted length 1, so each step costs more than an AR step
+        assert ctl.should_draft()
+        spec_step(ctl, c, accepted=1)
+    assert not ctl.should_draft()
+    waits = []
+    for _round in range(3):  # every failed one-step probe doubles the pause: 8, 16, 32 plain steps
+        k = 0
+        while not ctl.should_draft():
+            plain_step(ctl, c)
+            k += 1
+        waits.append(k)
+        spec_step(ctl, c, accepted=1)
+    assert waits == [8, 16, 32]
+    assert not ctl.should_draft()
+    while not ctl.should_draft():
+        plain_step(ctl, c)
+    # the drafter got good: C(16)+draft ~ 1.3x an AR step, 6 tokens per step wins
+    for _ in range(50):
+        assert ctl.should_draft()
+        spec_step(ctl, c, accepted=6)
+    assert ctl.gate.committed and ctl.gate.backoff == ctl.gate.base_backoff
+    # AR overhead was learned from the plain steps: C(1, c) + 5e-4 s (+ the 1e-3 s of other time not counted)
+    assert ctl.ar_step_seconds(c) == pytest.approx(ctl.model.predict(1, c) + 5e-4, rel=1e-6)
+
+
+def test_gate_backoff_is_capped_and_needs_gain():
+    g = SpeculationGate(probe_steps=1, base_backoff=2, max_backoff=8)
+    for _ in range(5):
+        g.record(True, 0.5)
+        assert g.wait in (2, 4, 8)
+        while g.wait:
+            g.record(False)
+    assert g.backoff == 8
+    with pytest.raises(ValueError):
+        g.record(True)
 
 
 def test_background_refit_on_drift_never_blocks(monkeypatch):
@@ -279,18 +245,37 @@ def test_surrogate_correction_scales_lazy_source_paths_like_marginals():
     assert sur.correct(cand) is cand
 
 
-def test_cheap_steps_are_off_steps_for_the_gate_but_feed_the_surrogate():
-    """A gate-off step that verified the drafter's free proposal: the gate counts it as the 'off'
-    arm (with its measured throughput), the AR-overhead estimate (an n = 1 quantity) is
-    untouched, the surrogate check records it."""
+def test_gate_first_probe_then_one_step_reprobes():
+    g = SpeculationGate(probe_steps=2, reprobe_steps=1, base_backoff=3, max_backoff=100)
+    g.record(True, 0.5)
+    assert g.should_draft()  # still inside the 2-step first probe
+    g.record(True, 0.5)
+    assert not g.should_draft() and g.wait == 3
+    for _ in range(3):
+        g.record(False)
+    assert g.should_draft()
+    g.record(True, 0.5)  # one losing re-probe step ends it
+    assert not g.should_draft() and g.wait == 6
+    for _ in range(6):
+        g.record(False)
+    g.record(True, 3.0)  # a winning re-probe commits and resets the backoff
+    assert g.should_draft() and g.committed and g.backoff == 3
+    with pytest.raises(ValueError):
+        SpeculationGate(reprobe_steps=0)
+
+
+def test_cheap_steps_are_plain_for_the_gate_but_feed_the_surrogate():
+    """A gate-off step that verified the drafter's free proposal: the pause still counts down,
+    the AR-overhead estimate (an n = 1 quantity) is untouched, the surrogate check records it."""
     reg = CollectorRegistry()
     ctl = make_controller(reg)
     c = 300
     plain_step(ctl, c)
     overhead = ctl._ar_overhead.value
-    ctl.record_step(6, c, 0.010, 1e-4, 5e-4, 2.0, 3, drafted=False, cheap=True,
+    ctl.gate.wait = 5
+    ctl.record_step(6, c, ctl.model.predict(6, c), 1e-4, 5e-4, 2.0, 3, drafted=False, cheap=True,
                     depth_mass=np.array([0.8, 0.2] + [0.0] * 13))
-    assert ctl.gate.samples["off"] == 2 and ctl.gate.rate["off"] is not None
+    assert ctl.gate.wait == 4 and not ctl.should_draft()
     assert ctl._ar_overhead.value == overhead
     assert ctl.surrogate.steps == 1 and ctl.surrogate.real_depth[:3].tolist() == [1.0, 1.0, 0.0]
     assert ctl.step_kinds == {"draft": 0, "cheap": 1, "plain": 1}
