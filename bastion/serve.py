@@ -59,28 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish on SIGTERM (default 30)")
 
 
-def is_loopback(host: str) -> bool:
-    """True for 'localhost' and loopback IP addresses (127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def server_config(args):
     """ServerConfig from the parsed flags. Raises ValueError for an empty key, bad numbers, or a
     non-loopback bind address without a key (unless --allow-unauthenticated)."""
-    from server.app import ServerConfig
+    from server.app import ServerConfig, is_loopback_host
 
     if not (0 < args.port < 65536):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
-    loopback = is_loopback(args.host)
+    loopback = is_loopback_host(args.host)
     if args.api_key is None and not loopback and not args.allow_unauthenticated:
         raise ValueError(f"refusing to serve {args.host} without an API key: anyone who can reach it could use "
                          "it; pass --api-key KEY (BASTION_API_KEY), or --allow-unauthenticated "

@@ -51,12 +51,6 @@ class IncrementalDetokenizer:
         """The text kept: all of it, except released text far behind (dropped on long outputs)."""
         return self._tail
 
-    def _set_text(self, whole: str) -> None:
-        self._dropped, self._tail = 0, whole
-
-    def _length(self) -> int:
-        return self._dropped + len(self._tail)
-
     def _trim(self) -> None:
         """Drop released text older than the longest stop string (never searched again)."""
         keep_from = self._emitted - self.max_stop
@@ -70,7 +64,7 @@ class IncrementalDetokenizer:
         """Append tokens to ids and their text to the tail; record per-token pieces."""
         self.ids.extend(token_ids)
         if self._stream is None:
-            self._set_text(self.tok.decode(self.ids, skip_special_tokens=True))
+            self._tail = self.tok.decode(self.ids, skip_special_tokens=True)  # never trimmed on this path
             return
         backend, stream = self._stream
         pieces = []

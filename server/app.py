@@ -87,26 +87,23 @@ class ServerConfig:
             raise ValueError("body, stall and shutdown timeouts must be positive")
 
 
-def _is_loopback_host(host: str) -> bool:
-    """'localhost', '127.0.0.1', '[::1]' (a port allowed after a colon)."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        host = host[1:].split("]", 1)[0]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _host_name(host: str) -> str:
+    """The name in a Host header or address, lower-cased, without brackets or port."""
     host = host.strip().lower()
     if host.startswith("["):
         return host[1:].split("]", 1)[0]
     return host.split(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback_host(host: str) -> bool:
+    """'localhost' (and *.localhost) or a loopback IP address; brackets and a port are allowed."""
+    name = _host_name(host)
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None = None,
@@ -149,7 +146,7 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
     allowed = {h.lower() for h in config.allowed_hosts}
 
     def _host_ok(host: str) -> bool:
-        return _is_loopback_host(host) or _host_name(host) in allowed
+        return is_loopback_host(host) or _host_name(host) in allowed
 
     def _origin_ok(netloc: str, host: str) -> bool:
         return _host_ok(netloc) or netloc.lower() == host.lower()
