@@ -13,7 +13,7 @@ import torch
 
 from bastion.settings import MODES, EngineSettings
 from drafting.base import Drafter
-from engine.attention import install, installed_backend, select_backend
+from engine.attention import select_backend
 from engine.engine import Engine, StepController, make_controller
 from engine.loader import DEFAULT_TARGET, Target, load_target
 
@@ -76,11 +76,8 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
     if settings.mode is not None and settings.mode not in MODES:
         raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
     target = target or load_target(settings.target, settings.dtype, settings.device)
-    # 'auto': sdpa on a CPU, else the fastest backend measured on the device. Plain sdpa is
-    # the model's own attention with the engine's explicit tree mask: nothing to install.
+    # 'auto': sdpa on a CPU, else the fastest backend measured on the device.
     backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
-    if backend != "sdpa":
-        install(target.model, backend)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)
     drafter = load_drafter(drafter_spec, target)
     mode = settings.mode or ("bastion" if drafter is not None else "ar")
@@ -91,11 +88,11 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
         )
     if mode == "ar":
         drafter = None
-    return Engine(target, drafter, controller_for(mode, target, drafter, settings))
+    return Engine(target, drafter, controller_for(mode, target, drafter, settings, backend=backend), backend=backend)
 
 
 def controller_for(mode: str, target: Target, drafter: Drafter | None, settings: EngineSettings | None = None,
-                   budget: int | None = None, **kwargs) -> StepController:
+                   budget: int | None = None, backend: str = "sdpa", **kwargs) -> StepController:
     """The StepController of a mode: 'ar', 'chain' (the drafter's block), 'tree' (best-first up
     to `budget` nodes, default settings.budget) or 'bastion' (the calibrated budget controller;
     kwargs go to `build_budget_controller`). Raises ConfigError for an unknown mode or a
@@ -109,14 +106,14 @@ def controller_for(mode: str, target: Target, drafter: Drafter | None, settings:
     if drafter is None:
         raise ConfigError(f"mode '{mode}' needs a drafter")
     if mode == "bastion":
-        return build_budget_controller(target, drafter, settings, **kwargs)
+        return build_budget_controller(target, drafter, settings, backend=backend, **kwargs)
     if mode == "chain":
         return make_controller("chain", block_size=drafter.max_depth + 1)
     return make_controller("tree", budget if budget is not None else settings.budget)
 
 
 def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True,
-                            **kwargs):
+                            backend: str = "sdpa", **kwargs):
     """Calibrate (or load the cached calibration) and build the adaptive controller for `target`.
 
     The latency grid is timed through the engine's own verification path (tree mask,
@@ -129,9 +126,8 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
     from engine.timing import verify_timer
 
     return BudgetController.from_target(
-        target.config, target.dtype, verify_timer(target.model, drafter.feature_layers),
-        device=settings.device, model_name=target.name,
-        attn_backend=installed_backend(target.model) or "sdpa",
+        target.config, target.dtype, verify_timer(target.model, drafter.feature_layers, backend=backend),
+        device=settings.device, model_name=target.name, attn_backend=backend,
         max_context=target.max_context, progress=progress, max_depth=drafter.max_depth, **kwargs,
     )
 

@@ -233,12 +233,79 @@ class DFlashModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h), new_past
 
+    def forward_block_cached(self, block_embeds: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor,
+                             ctx_pos: torch.Tensor, cache: "ContextCache") -> torch.Tensor:
+        """`forward_block` for one request at inference, over its in-place ContextCache.
+
+        block_embeds [1, B, H]; ctx [1, n, H] new context at ctx_pos [1, n], appended to the
+        cache at [length, length + n); the block's keys go right after as scratch. Every
+        block query sees the whole context and the whole block (no mask). Returns [1, B, H].
+        """
+        cos_b, sin_b = self.rotary_emb(block_embeds, block_pos)
+        cos_c, sin_c = self.rotary_emb(ctx, ctx_pos)
+        n, B = ctx.shape[1], block_embeds.shape[1]
+        c0 = cache.length
+        cache.reserve(c0 + n + B)
+        end = c0 + n + B
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            if n:
+                kc, vc = attn.project_kv(ctx, cos_c, sin_c)
+                cache.keys[i, :, c0:c0 + n] = kc[0]
+                cache.values[i, :, c0:c0 + n] = vc[0]
+            kb, vb = attn.project_kv(x, cos_b, sin_b)
+            cache.keys[i, :, c0 + n:end] = kb[0]
+            cache.values[i, :, c0 + n:end] = vb[0]
+            q = attn.q_norm(attn.q_proj(x).view(1, B, attn.n_q, attn.d)).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos_b, sin_b)
+            out = F.scaled_dot_product_attention(q, cache.keys[i, :, :end][None], cache.values[i, :, :end][None],
+                                                 enable_gqa=attn.n_q != attn.n_kv)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, B, attn.n_q * attn.d))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.length = c0 + n
+        return self.norm(h)
+
+
+class ContextCache:
+    """The drafter's context keys and values for one request, written in place.
+
+    keys, values: [layers, n_kv, capacity, d]; positions [0, length) hold the context, and
+    a block's B entries are written right after them as scratch (overwritten by the next
+    block, never counted). The capacity doubles when context + block would not fit, so a
+    request of n tokens reallocates O(log n) times instead of concatenating every step.
+    """
+
+    def __init__(self, layers: int, n_kv: int, d: int, dtype: torch.dtype, device: torch.device,
+                 capacity: int = 256):
+        self.keys = torch.empty((layers, n_kv, capacity, d), dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[2])
+
+    def reserve(self, total: int) -> None:
+        """Make room for `total` positions, keeping the cached context."""
+        if total <= self.capacity:
+            return
+        cap = self.capacity
+        while cap < total:
+            cap *= 2
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[:2] + (cap,) + old.shape[3:])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
 
 @dataclass
 class DFlashState:
-    """Per-request drafter state: cached context (k, v) per layer and features not yet consumed."""
+    """Per-request drafter state: the context cache and features not yet consumed."""
 
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    cache: ContextCache | None = None
     ctx_len: int = 0
     pending: list[torch.Tensor] = field(default_factory=list)
     last_ctx: torch.Tensor | None = None  # [1, 1, H] normalised feature of the last context token
@@ -308,7 +375,10 @@ class DFlashDrafter(Drafter):
         if self.spec.inject_anchor and state.last_ctx is not None:
             x = x + state.last_ctx
         block_pos = torch.arange(start, start + B, device=dev)[None]
-        h, state.past = m.forward_block(x, block_pos, ctx, ctx_pos, state.past)
+        if state.cache is None:
+            cfg = m.spec.config
+            state.cache = ContextCache(len(m.layers), cfg.num_key_value_heads, cfg.head_dim, dt, dev)
+        h = m.forward_block_cached(x, block_pos, ctx, ctx_pos, state.cache)
         state.ctx_len = start
         depth = max(0, min(max_depth, B - 1))
         logits = F.linear(h[0, 1 : 1 + depth], self._head_w).float()

@@ -1,12 +1,11 @@
-"""Tree attention backends for verification, plugged into transformers through AttentionInterface.
+"""Tree attention for verification, called by the engine's own forward (engine.forward).
 
 A verification forward attends from n tree nodes over the c cached prefix tokens and the
-n nodes themselves: row i sees the whole prefix, node i and its ancestors (docs/method.md, section 5).
-The engine hands the tree to the attention function as a `TreeAttention` object in the
-model call's keyword `bastion_tree` (transformers forwards unknown keywords of
-`model(...)` down to the attention function); no model code is edited.
+n nodes themselves: row i sees the whole prefix, node i and its ancestors (docs/method.md,
+section 5). The forward writes the nodes' keys behind the prefix in the KV slot and calls
+`tree_attention(backend, q, k, v, tree, scale)` with a `TreeAttention` describing the tree.
 
-Backends (public names; each is registered under an internal name, see `impl_name`):
+Backends (public names):
     sdpa        torch scaled_dot_product_attention with a boolean mask built on the device
     flex        torch FlexAttention with a BlockMask built from the tree (the prefix blocks
                 are full, the tree blocks evaluate the ancestor relation); compiled on CUDA,
@@ -15,13 +14,8 @@ Backends (public names; each is registered under an internal name, see `impl_nam
                 masked attention over the tree keys, merged exactly by log-sum-exp; only
                 when the flash-attn package is importable and the device is CUDA
 
-Without a `TreeAttention` (prefill, the one-token AR step) every backend runs plain causal
-SDPA, with a lower-right causal mask when s new tokens follow a non-empty cache.
-
-Usage:
-    backend = select_backend("auto", device, config=model.config, dtype=model.dtype)
-    install(model, backend)
-    model(input_ids=..., cache=..., position_ids=..., **tree_kwargs(tree, prefix_len, device))
+Without a tree (prefill, the one-token AR step) `causal_attention` runs plain SDPA, with a
+lower-right causal mask when s new tokens follow a non-empty cache.
 """
 from __future__ import annotations
 
@@ -30,30 +24,22 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-#: Model-call keyword that carries the TreeAttention of one verification forward.
-TREE_KWARG = "bastion_tree"
 #: Public backend names, in order of preference when timings tie.
 BACKENDS = ("sdpa", "flex", "flash_attn")
 #: FlexAttention's default block size (tokens per block in the BlockMask).
 FLEX_BLOCK = 128
 
 
-#: Internal AttentionInterface names. None may contain "flash": transformers would then look for
-#: its own flash-attention kernels when the implementation is set.
-_IMPL = {"sdpa": "bastion_sdpa", "flex": "bastion_flex", "flash_attn": "bastion_lse_split"}
-
-
-def impl_name(backend: str) -> str:
-    """Internal AttentionInterface name of a public backend name ('flex' -> 'bastion_flex')."""
+def check_backend(backend: str) -> str:
+    """`backend` itself when it is a public backend name; raises ValueError otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend '{backend}' (choose from {', '.join(BACKENDS)} or auto)")
-    return _IMPL[backend]
+    return backend
 
 
 # ---- the tree structure, on the device ------------------------------------------------------
@@ -126,11 +112,6 @@ class TreeAttention:
         if key not in self._memo:
             self._memo[key] = tree_block_mask(self.ancestors, self.prefix_len, block_size)
         return self._memo[key]
-
-
-def tree_kwargs(tree, prefix_len: int, device: torch.device | str) -> dict:
-    """Keyword arguments for the target's forward over `tree`: {TREE_KWARG: TreeAttention}."""
-    return {TREE_KWARG: TreeAttention.from_tree(tree, prefix_len, device)}
 
 
 def tree_block_mask(anc: torch.Tensor, prefix_len: int, block_size: int = FLEX_BLOCK):
@@ -276,27 +257,7 @@ def flash_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out.transpose(1, 2), lse.float()
 
 
-# ---- the attention functions registered with transformers --------------------------------------
-
-def _causal_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Plain attention without a tree: transformers' SDPA, with an explicit lower-right causal mask
-    when s > 1 new tokens follow cached ones (transformers would crop the keys instead)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    s, m = query.shape[2], key.shape[2]
-    if attention_mask is None and s > 1 and m > s:
-        attention_mask = torch.ones((s, m), dtype=torch.bool, device=query.device).tril(diagonal=m - s)[None, None]
-    kwargs.pop(TREE_KWARG, None)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
-def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Backend 'sdpa': SDPA with the tree's boolean mask. Returns ([b, n, hq, d], None)."""
-    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
-    if tree is not None:
-        attention_mask = tree.visible()
-    return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
+# ---- the attention the engine's forward calls ------------------------------------------------
 
 _FLEX_FNS: dict[tuple[bool, bool], Callable] = {}
 
@@ -332,53 +293,37 @@ def flex_attention_tree(query, key, value, tree: TreeAttention, scale: float | N
                   enable_gqa=query.shape[1] != key.shape[1])
 
 
-def flex_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Backend 'flex': FlexAttention with the tree's BlockMask. Returns ([b, n, hq, d], None)."""
-    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
-    if tree is None:
-        return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    out = flex_attention_tree(query, key, value, tree, scaling)
-    return out.transpose(1, 2).contiguous(), None
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of s new tokens that follow m - s cached ones (no tree).
 
-
-def flash_tree_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Backend 'flash_attn': flash-attn prefix + masked tree part, merged by LSE. Returns ([b, n, hq, d], None)."""
-    tree: TreeAttention | None = kwargs.pop(TREE_KWARG, None)
-    if tree is None:
-        return _causal_sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = split_tree_attention(query, key, value, tree, scale, flash_prefix_attention)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_FUNCTIONS = {"sdpa": sdpa_tree_attention, "flex": flex_tree_attention, "flash_attn": flash_tree_attention}
-
-
-def register_backends() -> None:
-    """Register every backend with transformers' AttentionInterface (idempotent)."""
-    from transformers import AttentionInterface
-
-    for name, fn in _FUNCTIONS.items():
-        AttentionInterface.register(impl_name(name), fn)
-
-
-def install(model, backend: str) -> str:
-    """Make `model` (a transformers model) attend through `backend`; returns the internal name.
-
-    Raises ValueError for an unknown backend or flash_attn without the package on CUDA.
+    q [b, hq, s, d]; k, v [b, hkv, m, d] (m >= s; the last s keys are the new tokens', hq a
+    multiple of hkv). Returns [b, hq, s, d]. One token, or a first chunk without cache, needs
+    no mask; a later chunk gets the lower-right causal mask.
     """
-    impl = impl_name(backend)
-    if backend == "flash_attn" and not flash_available(model.device):
-        raise ValueError("attention backend flash_attn needs the flash-attn package and a CUDA device")
-    register_backends()
-    model.set_attn_implementation(impl)
-    return impl
+    s, m = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if s == 1 or m == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=s > 1, scale=scale, enable_gqa=gqa)
+    mask = torch.ones((s, m), dtype=torch.bool, device=q.device).tril(diagonal=m - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-def installed_backend(model) -> str | None:
-    """The public backend name `model` attends through, or None when it is not one of ours."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    return next((name for name, i in _IMPL.items() if i == impl), None)
+def tree_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tree: TreeAttention,
+                   scale: float) -> torch.Tensor:
+    """Attention of a tree's n nodes over its c = tree.prefix_len cached tokens and the nodes.
+
+    backend: a public name (BACKENDS); q [b, hq, n, d]; k, v [b, hkv, c + n, d] (the tree's
+    keys already written behind the prefix). Returns [b, hq, n, d]. Raises ValueError for an
+    unknown backend.
+    """
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=tree.visible(), scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "flex":
+        return flex_attention_tree(q, k, v, tree, scale)
+    if backend == "flash_attn":
+        return split_tree_attention(q, k, v, tree, scale, flash_prefix_attention)
+    raise ValueError(f"unknown attention backend '{backend}' (choose from {', '.join(BACKENDS)})")
 
 
 # ---- selection ----------------------------------------------------------------------------------
@@ -405,10 +350,6 @@ def random_tree_parents(n: int, max_depth: int = 15, generator: torch.Generator 
     return torch.tensor(par, dtype=torch.long)
 
 
-def _module_stub(n_q: int, n_kv: int) -> SimpleNamespace:
-    return SimpleNamespace(num_key_value_groups=n_q // n_kv, is_causal=True, training=False)
-
-
 def benchmark_backends(device: torch.device | str, dtype: torch.dtype = torch.float32, *, n_q: int = 32, n_kv: int = 8,
                        head_dim: int = 128, points: tuple[tuple[int, int], ...] | None = None, repeats: int = 3,
                        backends: list[str] | None = None, atol: float | None = None) -> dict[str, float | None]:
@@ -423,7 +364,6 @@ def benchmark_backends(device: torch.device | str, dtype: torch.dtype = torch.fl
     backends = backends or available_backends(device)
     atol = atol if atol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
     gen = torch.Generator().manual_seed(0)
-    stub = _module_stub(n_q, n_kv)
     cases = []
     for n, c in points:
         q = torch.randn(1, n_q, n, head_dim, generator=gen).to(device, dtype)
@@ -438,7 +378,7 @@ def benchmark_backends(device: torch.device | str, dtype: torch.dtype = torch.fl
     def run(name: str, case) -> torch.Tensor:
         q, k, v, par, c = case
         tree = TreeAttention.from_parents(par, c, device, 15)
-        return _FUNCTIONS[name](stub, q, k, v, None, scaling=head_dim ** -0.5, **{TREE_KWARG: tree})[0]
+        return tree_attention(name, q, k, v, tree, head_dim ** -0.5)
 
     refs = [run("sdpa", case) for case in cases]
     out: dict[str, float | None] = {}
@@ -481,7 +421,7 @@ def select_backend(name: str = "auto", device: torch.device | str = "cpu", *, co
         # On a CPU, flex runs an unfused reference (or recompiles per shape) and flash-attn is absent.
         return "sdpa"
     if name != "auto":
-        impl_name(name)
+        check_backend(name)
         if name not in available_backends(device):
             raise ValueError(f"attention backend '{name}' is not available on {device} "
                              f"(available: {', '.join(available_backends(device))})")

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from drafting.base import Drafter
 from drafting.proposal import Proposal
@@ -15,12 +14,15 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import RequestError, SamplingParams, select_token
 from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
+from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.greedy_device import accept_greedy_device
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import accept_sample, compact_cache, forward_with_features, verify
+from engine.verifier import accept_sample, verify
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
+#: Longest prompt piece one prefill forward takes (longer prompts run in chunks: bounded memory).
+PREFILL_CHUNK = 2048
 
 
 class ContextLengthError(RequestError):
@@ -72,13 +74,14 @@ class GenerationResult:
 class Sequence:
     """All per-request state; nothing of it is shared between requests.
 
-    cache: the target's KV cache (prefix_len committed tokens); root: last committed
-    token, not yet in the cache; output_ids: committed output tokens.
+    slot: the sequence's slot in the engine's KV pool (prefix_len committed tokens; -1 once
+    released); root: last committed token, not yet in the cache; output_ids: committed
+    output tokens.
     """
 
     prompt_ids: list[int]
     params: SamplingParams
-    cache: DynamicCache
+    slot: int
     detok: IncrementalDetokenizer
     drafter_state: object
     generator: torch.Generator | None
@@ -175,10 +178,14 @@ class Engine:
     target: the loaded Target. drafter: a Drafter or None (AR only).
     controller: a StepController (default: AR, one node per step).
     accounting: StepAccounting every step is recorded in (default: a fresh one).
+    slots: sequences whose KV cache the pool holds at first (it grows when more run at once).
+    backend: tree attention backend (engine.attention.BACKENDS).
+    The target runs through engine.forward (its own forward over the preallocated KV pool);
+    each slot holds the context length plus room for one tree (TREE_HEADROOM rows).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, controller: StepController | None = None,
-                 accounting: StepAccounting | None = None):
+                 accounting: StepAccounting | None = None, slots: int = 1, backend: str = "sdpa"):
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
@@ -186,6 +193,9 @@ class Engine:
         self.controller = controller or make_controller("ar")
         self.eos_ids = target.eos_token_ids
         self.accounting = accounting if accounting is not None else StepAccounting()
+        self.backend = backend
+        self.forward = target_forward_for(self.model)
+        self.pool = self.forward.new_pool(slots, min(self.max_context() + TREE_HEADROOM, self.forward.max_positions))
         # Tree index buffers, one per bucket size, reused by every step of every request.
         self.buffers = TreeBufferPool(self.model.device)
 
@@ -235,27 +245,57 @@ class Engine:
             gen = torch.Generator().manual_seed(int(params.seed))
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
+        if self.pool.free_slots == 0:
+            self.pool.grow(2 * self.pool.num_slots)
         seq = Sequence(
             prompt_ids=list(prompt_ids),
             params=params,
-            cache=DynamicCache(config=self.model.config),
+            slot=self.pool.allocate(),
             detok=IncrementalDetokenizer(self.tokenizer, params.stop),
             drafter_state=drafter.new_state() if drafter is not None else None,
             generator=gen,
             eos=set() if params.ignore_eos else set(self.eos_ids),
         )
-        with torch.inference_mode():
-            out, feats = forward_with_features(self.model, torch.tensor([seq.prompt_ids], device=self.model.device),
-                                               seq.cache, feature_layers, logits_to_keep=1)
-            if drafter is not None:
-                drafter.extend(seq.drafter_state, seq.prompt_ids, feats)
-            seq.root = select_token(out.logits[0, -1], params, gen)
+        try:
+            logits = self._prefill(seq, feature_layers)
+            with torch.inference_mode():
+                seq.root = select_token(logits, params, gen)
+        except BaseException:
+            self.release(seq)
+            raise
         seq.prefix_len = len(prompt_ids)
         committed, finish = self._commit(seq, [seq.root])
         seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
-        if finish is not None and drafter is not None:
-            drafter.finish(seq.drafter_state, committed)
+        if finish is not None:
+            self._finished(seq, committed)
         return seq
+
+    def _prefill(self, seq: Sequence, feature_layers: tuple[int, ...]) -> torch.Tensor:
+        """Write the prompt's keys and values into the sequence's slot (in chunks of PREFILL_CHUNK)
+        and hand the drafter its features; returns the last prompt position's logits [V]."""
+        dev = self.model.device
+        ids = torch.tensor(seq.prompt_ids, dtype=torch.long, device=dev)
+        logits = None
+        for start in range(0, len(seq.prompt_ids), PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, len(seq.prompt_ids))
+            logits, feats = self.forward(self.pool, ids[start:end], torch.arange(start, end, device=dev),
+                                         [Segment(seq.slot, start, end - start)], feature_layers, last_only=True,
+                                         backend=self.backend)
+            if self.drafter is not None:
+                self.drafter.extend(seq.drafter_state, seq.prompt_ids[start:end], feats)
+        return logits[0]
+
+    def release(self, seq: Sequence) -> None:
+        """Give the sequence's KV slot back to the pool (idempotent). The engine does this itself
+        when a sequence finishes; a caller that abandons a running sequence calls it."""
+        if seq.slot >= 0:
+            self.pool.release(seq.slot)
+            seq.slot = -1
+
+    def _finished(self, seq: Sequence, committed: list[int]) -> None:
+        self.release(seq)
+        if self.drafter is not None:
+            self.drafter.finish(seq.drafter_state, committed)
 
     @torch.inference_mode()
     def step(self, seq: Sequence) -> GenerationEvent:
@@ -282,10 +322,12 @@ class Engine:
             if proposal is not None:
                 proposal, max_depth = controller.correct(proposal), depth
         t1 = time.perf_counter()
-        tree = build_tree(seq.root, proposal, policy, max_depth)
+        # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
+        # nodes can build one) is cut to its best prefix-closed part.
+        tree = build_tree(seq.root, proposal, policy, max_depth).head(self.pool.capacity - seq.prefix_len)
         t2 = time.perf_counter()
         device_tree = self.buffers.load(tree, seq.prefix_len)
-        verified = verify(self.model, seq.cache, tree, seq.prefix_len, feature_layers, device_tree=device_tree)
+        verified = verify(self.forward, self.pool, seq.slot, device_tree, feature_layers, backend=self.backend)
         t3 = time.perf_counter()
         if params.greedy:
             acceptance = accept_greedy_device(device_tree, verified.logits)
@@ -296,7 +338,7 @@ class Engine:
         committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
         context_len = seq.prefix_len
         if finish is None:
-            compact_cache(seq.cache, seq.prefix_len, path, index)
+            self.pool.compact(seq.slot, seq.prefix_len, path, index)
             if drafter is not None:
                 feats = verified.features
                 feats = feats[index if index is not None else path] if feats is not None else None
@@ -319,9 +361,9 @@ class Engine:
         seq.steps.append(stats)
         self.accounting.record(stats)
         controller.observe(stats, tree)
-        if finish is not None and drafter is not None:
+        if finish is not None:
             # The root was committed earlier but, like this step's tokens, never reached the drafter.
-            drafter.finish(seq.drafter_state, [seq.root] + committed)
+            self._finished(seq, [seq.root] + committed)
         return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
 
     def stream(
@@ -336,15 +378,19 @@ class Engine:
         between steps). Raises ValueError / ContextLengthError before any work on bad input.
         """
         seq = self.start(prompt_ids, params)
-        ev = seq.pending
-        yield ev
-        while ev.finish_reason is None:
-            if should_cancel is not None and should_cancel():
-                seq.finish_reason = "cancelled"
-                yield GenerationEvent([], seq.detok.release(final=True), "cancelled", None)
-                return
-            ev = self.step(seq)
+        try:
+            ev = seq.pending
             yield ev
+            while ev.finish_reason is None:
+                if should_cancel is not None and should_cancel():
+                    seq.finish_reason = "cancelled"
+                    self.release(seq)
+                    yield GenerationEvent([], seq.detok.release(final=True), "cancelled", None)
+                    return
+                ev = self.step(seq)
+                yield ev
+        finally:  # an abandoned generator or a failed step must not keep the slot
+            self.release(seq)
 
     @staticmethod
     def _commit(seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:

@@ -101,6 +101,14 @@ class Tree:
         """[1, n] absolute positions: start + depth (start = position of the root)."""
         return (self.depths + start).unsqueeze(0)
 
+    def head(self, k: int) -> "Tree":
+        """The first k nodes (insertion order is prefix-closed, so this is a valid tree); a_hat
+        is recomputed from their path scores. Returns self when k >= size."""
+        if k >= self.size:
+            return self
+        return Tree(tokens=self.tokens[:k], parents=self.parents[:k], depths=self.depths[:k],
+                    a_hat=float(self.log_scores[:k].exp().sum()), log_scores=self.log_scores[:k])
+
     def children(self) -> list[dict[int, int]]:
         """Per node, a map token -> child index (used by acceptance)."""
         out: list[dict[int, int]] = [dict() for _ in range(self.size)]

@@ -19,7 +19,6 @@ Random weights make acceptance meaningless: it reports latencies, never speedups
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import platform
@@ -41,7 +40,8 @@ from engine.timing import verify_timer  # noqa: E402
 from engine.tree import FixedBudgetPolicy, Tree, build_tree  # noqa: E402
 from engine.greedy_device import accept_greedy_device  # noqa: E402
 from engine.tree_buffers import TreeBufferPool  # noqa: E402
-from engine.verifier import compact_cache  # noqa: E402
+from engine.forward import Segment, TargetForward, target_forward_for  # noqa: E402
+from engine.kv_cache import KVPool  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -100,36 +100,20 @@ def random_tree(n: int, vocab: int, gen: torch.Generator) -> Tree:
                 log_scores=torch.zeros(n))
 
 
-def tree_forward(model, cache, tree: Tree, prefix_len: int, backend: str | None):
-    """One verification forward: the tree reaches our backends as a keyword (the proposed verifier hook);
-    backend None runs today's path (additive mask, transformers' own sdpa)."""
-    dev = model.device
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    extra, mask = {}, None
-    if tree.size > 1:
-        if backend is None:
-            mask = TreeBufferPool(dev).load(tree, prefix_len).additive_mask(model.dtype)
-        else:
-            extra = attn.tree_kwargs(tree, prefix_len, dev)
-    return model(input_ids=tree.tokens[None].to(dev), position_ids=tree.position_ids(prefix_len).to(dev),
-                 attention_mask=mask, use_cache=True, **{key: cache}, **extra)
+def tree_forward(fwd: TargetForward, pool, tree: Tree, prefix_len: int, backend: str):
+    """One verification forward through the engine's own forward: logits [n, V]."""
+    dev = fwd.device
+    seg = Segment(0, prefix_len, tree.size, attn.TreeAttention.from_tree(tree, prefix_len, dev) if tree.size > 1 else None)
+    return fwd(pool, tree.tokens.to(dev), tree.position_ids(prefix_len)[0].to(dev), [seg], backend=backend)[0]
 
 
-def prefill(model, c: int, gen: torch.Generator):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+def prefill(fwd: TargetForward, c: int, gen: torch.Generator, capacity: int):
+    """A one-slot KV pool holding c random prompt tokens."""
+    pool = fwd.new_pool(1, capacity)
     if c:
-        ids = torch.randint(0, model.config.vocab_size, (1, c), generator=gen).to(model.device)
-        key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache})
-    return cache
-
-
-def crop(cache, keep: int) -> None:
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :keep]
-        layer.values = layer.values[:, :, :keep]
+        ids = torch.randint(0, fwd.config.vocab_size, (c,), generator=gen).to(fwd.device)
+        fwd(pool, ids, torch.arange(c, device=fwd.device), [Segment(0, 0, c)], last_only=True)
+    return pool
 
 
 @torch.inference_mode()
@@ -137,16 +121,14 @@ def check_backends(model, backends: list[str], device, dtype, n: int, c: int) ->
     """Per backend: max |logit difference| to sdpa and argmax agreement over one n-node tree."""
     gen = torch.Generator().manual_seed(1)
     tree = random_tree(n, model.config.vocab_size, gen)
-    cache = prefill(model, c, gen)
+    fwd = target_forward_for(model)
+    pool = prefill(fwd, c, gen, c + n)
     out = {}
     ref = None
     for b in ["sdpa"] + [x for x in backends if x != "sdpa"]:
-        attn.install(model, b)
         try:
-            logits = tree_forward(model, cache, tree, c, b).logits[0].float()
-            crop(cache, c)
+            logits = tree_forward(fwd, pool, tree, c, b).float()
         except Exception as e:  # report, do not abort the whole check
-            crop(cache, c)
             out[b] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
             continue
         if ref is None:
@@ -172,10 +154,10 @@ def time_verification(model, backends: list[str], device, s_values, c_values, wa
     gen = torch.Generator().manual_seed(2)
     rows = []
     start = time.perf_counter()
+    fwd = target_forward_for(model)
     for b in backends:
-        attn.install(model, b)
         for c in c_values:
-            cache = prefill(model, c, gen)
+            pool = prefill(fwd, c, gen, c + max(s_values))
             for s in s_values:
                 if time.perf_counter() - start > budget_s:
                     rows.append({"backend": b, "c": c, "s": s, "seconds": None, "skipped": "time budget"})
@@ -183,15 +165,12 @@ def time_verification(model, backends: list[str], device, s_values, c_values, wa
                 tree = random_tree(s, model.config.vocab_size, gen)
 
                 def one():
-                    tree_forward(model, cache, tree, c, b)
-                    crop(cache, c)
+                    tree_forward(fwd, pool, tree, c, b)
 
                 try:
                     rows.append({"backend": b, "c": c, "s": s, "seconds": timed(one, device, warmup, repeats)})
                 except Exception as e:
-                    crop(cache, c)
                     rows.append({"backend": b, "c": c, "s": s, "seconds": None, "error": str(e)[:200]})
-    attn.install(model, "sdpa")
     return rows
 
 
@@ -241,8 +220,6 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
     vocabulary of only the tokens involved (same path), i.e. without the big argmax.
     mask_device: TreeAttention.from_tree + visible (for reference).
     """
-    from transformers import DynamicCache
-
     gen = torch.Generator().manual_seed(3)
     V, L = shape["vocab_size"], shape["num_hidden_layers"]
     lp = torch.log_softmax(8 * torch.randn(15, V, generator=gen), -1)  # peaked, like a trained drafter
@@ -258,19 +235,15 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
         chain.append(int(tree.parents[chain[-1]]))
     for parent, child in zip(chain[::-1], chain[::-1][1:]):
         logits[parent, int(tree.tokens[child])] = 100.0
-    kv_shape = (1, shape["num_key_value_heads"], c + tree.size, shape["head_dim"])
-    layers = [(torch.randn(kv_shape, device=device, dtype=dtype), torch.randn(kv_shape, device=device, dtype=dtype))
-              for _ in range(L)]
+    kv = KVPool(L, 1, shape["num_key_value_heads"], c + tree.size, shape["head_dim"], dtype, device)
+    kv.keys.normal_()
+    kv.values.normal_()
     path = chain[::-1]  # what the logits above make the target accept
     pool = TreeBufferPool(device)
     dtree = pool.load(tree, c)
     acc = accept_greedy_device(dtree, logits)  # also builds dtree's ancestors, as verification does
     if acc.path != path:
         raise AssertionError(f"device acceptance {acc.path} differs from the reference {path}")
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    full = [(layer.keys, layer.values) for layer in cache.layers]
 
     # The same decision over a vocabulary of only the tokens involved: times the walk without the big argmax.
     targ = torch.argmax(logits, dim=-1).tolist()
@@ -285,9 +258,7 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
         raise AssertionError("the small-vocabulary stand-in changed the accepted path")
 
     def compact(index=None):
-        for layer, (k, v) in zip(cache.layers, full):  # back to c + n entries (no copy)
-            layer.keys, layer.values = k, v
-        compact_cache(cache, c, path, index)
+        kv.compact(0, c, path, index)  # the rows it moves are garbage after the first call: same work
         sync(device)
 
     def load_device():

@@ -414,10 +414,12 @@ class Scheduler:
         eng = self.engine
         ids = eng.tokenizer("Hi", add_special_tokens=False)["input_ids"][:1] or [0]
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        eng.start(ids, params)  # warm-up
+        eng.release(eng.start(ids, params))  # warm-up
         t0 = time.perf_counter()
-        eng.start(ids, params)
-        return time.perf_counter() - t0
+        seq = eng.start(ids, params)
+        dt = time.perf_counter() - t0
+        eng.release(seq)
+        return dt
 
     def _loop(self) -> None:
         while True:
@@ -531,7 +533,9 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.requests.labels(finish_reason=reason).inc()
             self.metrics.e2e.observe(req.finished - req.arrival)
-        req.seq = None  # frees the KV cache and the drafter state
+        if req.seq is not None and self.engine is not None:
+            self.engine.release(req.seq)  # its KV slot goes back to the pool at once
+        req.seq = None  # frees the drafter state
         record = req.final = req.record()
         with self._cv:
             self.recent.append(record)

@@ -4,7 +4,8 @@ ancestor_matrix / tree_attention_mask: the tree mask built with numpy on the hos
 accept_greedy: greedy acceptance as a Python walk over the tree (engine/greedy_device.py must agree).
 reference_tree_attention: float64 attention with a dense mask and repeated KV heads.
 gather_features: drafter features taken from all of a forward's hidden states (the engine
-captures only the layers it needs, engine.verifier.FeatureTap).
+keeps only the layers it needs, engine.forward).
+hf_forward: a transformers forward of the target over a DynamicCache (the engine runs its own).
 """
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def gather_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, 
     if not layers:
         return None
     return torch.cat([hidden_states[l][0] for l in layers], dim=-1)
+
+
+def hf_forward(model, input_ids: torch.Tensor, cache=None, **kwargs):
+    """transformers' own forward of `model` on [1, s] ids over `cache` (a DynamicCache, updated
+    in place; None: no cache). kwargs go to the model call."""
+    import inspect
+
+    if cache is not None:
+        key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        kwargs[key] = cache
+    return model(input_ids=input_ids, use_cache=cache is not None, **kwargs)

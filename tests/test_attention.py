@@ -1,9 +1,8 @@
 """Tree attention backends (engine.attention): every backend agrees with sdpa over random trees,
 prefix lengths 0..2048 and GQA shapes of Qwen3-8B / Llama-3.1-8B scaled down; the log-sum-exp merge
-behind flash_attn is exact; the backends plug into transformers models without model-code edits."""
+behind flash_attn is exact; the engine's own forward runs every backend and equals transformers with a dense mask."""
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
@@ -12,23 +11,19 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Confi
 
 import engine.attention as attn
 from engine.attention import (
-    TREE_KWARG,
     TreeAttention,
     ancestor_matrix_device,
     attention_lse,
     available_backends,
-    install,
-    installed_backend,
     merge_attention,
     random_tree_parents,
     select_backend,
     split_tree_attention,
     torch_prefix_attention,
-    tree_kwargs,
 )
 from engine.tree import Tree
-from reference import ancestor_matrix, reference_tree_attention, tree_attention_mask
-from engine.verifier import target_forward
+from engine.forward import Segment, TargetForward
+from reference import ancestor_matrix, hf_forward, reference_tree_attention, tree_attention_mask
 
 # (n_q, n_kv, head_dim): Qwen3-8B and Llama-3.1-8B are both 32 q / 8 kv heads of 128; scaled head dims.
 SHAPES = {"qwen3-8b/8": (32, 8, 16), "llama3.1-8b/2": (32, 8, 64)}
@@ -47,9 +42,7 @@ def _case(n: int, c: int, shape, seed: int, dtype=torch.float32):
 
 
 def _run(backend: str, q, k, v, tree, scale):
-    stub = attn._module_stub(q.shape[1], k.shape[1])
-    out, _ = attn._FUNCTIONS[backend](stub, q, k, v, None, scaling=scale, **{TREE_KWARG: tree})
-    return out.transpose(1, 2)  # back to [b, hq, n, d]
+    return attn.tree_attention(backend, q, k, v, tree, scale)
 
 
 def test_ancestor_matrix_on_device_equals_host_version():
@@ -70,7 +63,7 @@ def test_tree_visibility_equals_the_engine_mask():
         depths[i] = depths[par[i]] + 1
     tree = Tree(tokens=torch.zeros(40, dtype=torch.long), parents=par, depths=depths, a_hat=1.0,
                 log_scores=torch.zeros(40))
-    ta = tree_kwargs(tree, 33, "cpu")[TREE_KWARG]
+    ta = TreeAttention.from_tree(tree, 33, "cpu")
     additive = tree_attention_mask(tree, 33, torch.float32)
     assert ta.visible().equal(additive == 0)
 
@@ -174,61 +167,79 @@ def _random_tree(n: int, seed: int) -> Tree:
                 log_scores=torch.zeros(n))
 
 
-def _forward(model, ids, cache, **kwargs):
-    """target_forward plus extra model keywords (what the proposed verifier hook passes)."""
-    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return model(input_ids=ids, use_cache=True, **{key: cache}, **kwargs)
-
-
-def _verify_logits(model, prompt, tree: Tree, use_kwargs: bool):
+def _hf_verify_logits(model, prompt, tree: Tree):
+    """transformers' own forward over the prompt, then the tree with the dense additive mask."""
     cache = DynamicCache(config=model.config)
+    c = prompt.shape[1]
     with torch.inference_mode():
-        target_forward(model, prompt, cache)
-        c = prompt.shape[1]
-        extra = tree_kwargs(tree, c, "cpu") if use_kwargs else {}
-        mask = None if use_kwargs else tree_attention_mask(tree, c, model.dtype)
-        out = _forward(model, tree.tokens[None], cache, position_ids=tree.position_ids(c), attention_mask=mask,
-                       **extra)
+        hf_forward(model, prompt, cache)
+        out = hf_forward(model, tree.tokens[None], cache, position_ids=tree.position_ids(c),
+                         attention_mask=tree_attention_mask(tree, c, model.dtype))
     return out.logits[0]
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_backends_inside_the_model_equal_the_additive_mask_path(kind, monkeypatch):
+def test_every_backend_in_the_engine_forward_equals_transformers_with_a_dense_mask(kind, monkeypatch):
     model = _tiny(kind)
     prompt = torch.randint(0, 64, (1, 37), generator=torch.Generator().manual_seed(2))
     tree = _random_tree(24, seed=4)
-    model.set_attn_implementation("sdpa")
-    ref = _verify_logits(model, prompt, tree, use_kwargs=False)
+    ref = _hf_verify_logits(model, prompt, tree)
     # flash_attn needs CUDA and the package: on CPU its prefix part is the pure-torch stand-in.
     monkeypatch.setattr(attn, "flash_prefix_attention", torch_prefix_attention)
-    monkeypatch.setattr(attn, "flash_available", lambda device: True)
+    fwd = TargetForward(model, packed=False)
+    c = prompt.shape[1]
     for backend in ("sdpa", "flex", "flash_attn"):
-        install(model, backend)
-        assert installed_backend(model) == backend
-        got = _verify_logits(model, prompt, tree, use_kwargs=True)
+        pool = fwd.new_pool(1, 64)
+        fwd(pool, prompt[0], torch.arange(c), [Segment(0, 0, c)], backend=backend)
+        got, _ = fwd(pool, tree.tokens, tree.position_ids(c)[0], [Segment(0, c, tree.size,
+                     TreeAttention.from_tree(tree, c, "cpu"))], backend=backend)
         assert torch.allclose(got, ref, atol=1e-4), (backend, (got - ref).abs().max())
-        # A 4D mask given by today's verifier still works through our backends.
-        got_mask = _verify_logits(model, prompt, tree, use_kwargs=False)
-        assert torch.allclose(got_mask, ref, atol=1e-4), backend
-    model.set_attn_implementation("sdpa")
 
 
-def test_without_a_tree_backends_run_causal_attention_over_a_cache():
-    """Prefill, the AR step and s > 1 plain tokens after a cache (lower-right causal) through a backend."""
+def test_causal_chunks_over_the_cache_equal_one_prefill():
+    """Prefill, s > 1 plain tokens after a cache (lower-right causal) and the one-token step."""
     model = _tiny("qwen3")
-    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        model.set_attn_implementation("sdpa")
-        full = model(input_ids=ids).logits[0]
-        for backend in ("sdpa", "flex"):
-            install(model, backend)
-            cache = DynamicCache(config=model.config)
-            a = target_forward(model, ids[:, :20], cache).logits[0]
-            b = target_forward(model, ids[:, 20:29], cache).logits[0]
-            c = target_forward(model, ids[:, 29:], cache).logits[0]
-            got = torch.cat([a, b, c])
-            assert torch.allclose(got, full, atol=1e-4), backend
-    model.set_attn_implementation("sdpa")
+        full = model(input_ids=ids[None]).logits[0]
+    fwd = TargetForward(model, packed=False)
+    pool = fwd.new_pool(2, 32)
+    got = torch.cat([fwd(pool, ids[a:b], torch.arange(a, b), [Segment(1, a, b - a)])[0]
+                     for a, b in ((0, 20), (20, 29), (29, 30))])
+    assert torch.allclose(got, full, atol=1e-4)
+
+
+def test_segments_of_one_forward_equal_each_sequence_alone():
+    """Two sequences in one forward (a causal prefill and a tree) give each one's own outputs."""
+    model = _tiny("llama")
+    fwd = TargetForward(model, packed=False)
+    g = torch.Generator().manual_seed(5)
+    a_ids, b_ids = torch.randint(0, 64, (9,), generator=g), torch.randint(0, 64, (13,), generator=g)
+    tree = _random_tree(7, seed=6)
+    alone = fwd.new_pool(2, 32)
+    la, _ = fwd(alone, a_ids, torch.arange(9), [Segment(0, 0, 9)])
+    fwd(alone, b_ids, torch.arange(13), [Segment(1, 0, 13)])
+    lb, _ = fwd(alone, tree.tokens, tree.position_ids(13)[0], [Segment(1, 13, 7, TreeAttention.from_tree(tree, 13, "cpu"))])
+    both = fwd.new_pool(2, 32)
+    fwd(both, b_ids, torch.arange(13), [Segment(1, 0, 13)])
+    tokens = torch.cat([a_ids, tree.tokens])
+    positions = torch.cat([torch.arange(9), tree.position_ids(13)[0]])
+    got, _ = fwd(both, tokens, positions, [Segment(0, 0, 9), Segment(1, 13, 7, TreeAttention.from_tree(tree, 13, "cpu"))])
+    assert torch.allclose(got, torch.cat([la, lb]), atol=1e-5)
+    assert torch.allclose(both.keys[:, 0, :, :9], alone.keys[:, 0, :, :9], atol=1e-6)
+    assert torch.allclose(both.keys[:, 1, :, :20], alone.keys[:, 1, :, :20], atol=1e-6)
+
+
+def test_a_segment_past_its_slot_is_refused_before_any_write():
+    from engine.kv_cache import CacheCapacityError
+
+    model = _tiny("llama")
+    fwd = TargetForward(model, packed=False)
+    pool = fwd.new_pool(1, 8)
+    pool.keys.zero_()
+    with pytest.raises(CacheCapacityError):
+        fwd(pool, torch.zeros(5, dtype=torch.long), torch.arange(4, 9), [Segment(0, 4, 5)])
+    assert not pool.keys.any()
 
 
 def test_select_backend_names_and_auto():
@@ -255,9 +266,7 @@ def test_compiled_flex_on_cpu_agrees_with_sdpa():
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_engine_with_a_backend_equals_ar(backend):
-    """Deep accepted paths with decoys (compaction by gather) through each backend: tokens equal AR.
-
-    The engine's verify hands the tree to the installed backend (built on the device from its buffers)."""
+    """Deep accepted paths with decoys (compaction by gather) through each backend: tokens equal AR."""
     from engine.engine import Engine, make_controller
     from engine.sampling import SamplingParams
     from helpers import OracleDrafter, tiny_target
@@ -265,8 +274,8 @@ def test_engine_with_a_backend_equals_ar(backend):
     target = tiny_target(vocab=64, layers=2, hidden=64)
     prompt = [3, 5, 7, 11, 13]
     ref = Engine(target).generate(prompt, SamplingParams(max_tokens=40)).token_ids
-    install(target.model, backend)
     drafter = OracleDrafter(prompt + ref + [0] * 16, 64, decoy_every=3)
-    got = Engine(target, drafter, make_controller("tree", 16)).generate(prompt, SamplingParams(max_tokens=40))
+    got = Engine(target, drafter, make_controller("tree", 16), backend=backend).generate(
+        prompt, SamplingParams(max_tokens=40))
     assert got.token_ids == ref
     assert got.tau > 3

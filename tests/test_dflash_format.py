@@ -83,7 +83,7 @@ def test_tiny_checkpoint_in_published_format_loads(tiny_checkpoint):
     m = d.propose(st, 5, 7)
     assert m.token_ids.shape == (7, 64) and m.logprobs.shape == (7, 64)
     assert torch.all(m.logprobs[:, :-1] >= m.logprobs[:, 1:])
-    assert st.ctx_len == 3 and st.past[0][0].shape[2] == 3  # only context entries are cached
+    assert st.ctx_len == 3 and st.cache.length == 3  # only context entries are cached
 
 
 def test_incremental_context_equals_one_shot(tiny_checkpoint):

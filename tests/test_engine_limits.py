@@ -9,7 +9,7 @@ import torch
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine
 from engine.sampling import GREEDY_EPSILON, MAX_STOP_CHARS, RequestError, SamplingParams
-from engine.verifier import FeatureTap, forward_with_features, target_forward
+from engine.forward import Segment, TargetForward
 from reference import gather_features
 from helpers import tiny_target
 
@@ -34,22 +34,20 @@ def test_bad_sampling_values_name_their_parameter(field, value):
     assert e.value.param == field
 
 
-def test_feature_tap_equals_the_models_hidden_states():
+def test_forward_features_equal_the_models_hidden_states():
     target = tiny_target(vocab=16, layers=3, hidden=32)
     model = target.model
     layers = (0, 1, 3, 2)  # embeddings, a middle layer, the final (normed) output, any order
-    ids = torch.tensor([[1, 5, 2, 7, 3]])
+    ids = torch.tensor([1, 5, 2, 7, 3])
     with torch.inference_mode():
-        full = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-        from transformers import DynamicCache
-
-        out, feats = forward_with_features(model, ids, DynamicCache(config=model.config), layers)
-        ref = target_forward(model, ids, DynamicCache(config=model.config))
-    assert torch.equal(feats, gather_features(full, layers))
-    assert torch.equal(out.logits, ref.logits)
-    assert out.hidden_states is None  # the model was not asked for every layer
-    with pytest.raises(ValueError):
-        FeatureTap(model, (4,))
+        full = model(input_ids=ids[None], output_hidden_states=True, use_cache=False)
+    fwd = TargetForward(model, packed=False)
+    pool = fwd.new_pool(1, 16)
+    logits, feats = fwd(pool, ids, torch.arange(5), [Segment(0, 0, 5)], layers)
+    torch.testing.assert_close(feats, gather_features(full.hidden_states, layers), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, full.logits[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="outside 0..3"):
+        fwd(pool, ids, torch.arange(5), [Segment(0, 0, 5)], (4,))
 
 
 class CountingTokenizer:

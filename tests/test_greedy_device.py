@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import DynamicCache
 
 from engine.attention import random_tree_parents
 from engine.greedy_device import accept_greedy_device
 from engine.tree import Tree
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import compact_cache
+from engine.kv_cache import KVPool
 from reference import accept_greedy
 
 #: Tensor methods that read a value back to the host (a device sync on CUDA).
@@ -124,13 +123,6 @@ def test_one_host_read_per_acceptance():
         assert counter.reads == ["tolist"], (n, counter.reads)
 
 
-def _cache(layers: int, length: int, gen: torch.Generator) -> DynamicCache:
-    cache = DynamicCache()
-    for i in range(layers):
-        cache.update(torch.randn(1, 2, length, 4, generator=gen), torch.randn(1, 2, length, 4, generator=gen), i)
-    return cache
-
-
 def test_compaction_with_the_device_index_equals_the_list_path_without_host_reads():
     gen = torch.Generator().manual_seed(2)
     tree = make_tree([0, 1, 2, 3, 4, 5], [-1, 0, 0, 2, 3, 1])
@@ -139,14 +131,20 @@ def test_compaction_with_the_device_index_equals_the_list_path_without_host_read
     c = 7
     acc = accept_greedy_device(TreeBufferPool("cpu").load(tree, c), logits)
     assert acc.path == [0, 2, 3, 4]
-    a, b = _cache(3, c + 6, gen), None
-    b = DynamicCache()
-    for i, layer in enumerate(a.layers):
-        b.update(layer.keys.clone(), layer.values.clone(), i)
-    want = [layer.keys[:, :, [*range(c), *(c + p for p in acc.path)]].clone() for layer in a.layers]
-    compact_cache(a, c, acc.path)
+    a = KVPool(3, 2, 2, 16, 4)
+    a.keys.copy_(torch.randn(a.keys.shape, generator=gen))
+    a.values.copy_(torch.randn(a.values.shape, generator=gen))
+    b = KVPool(3, 2, 2, 16, 4)
+    b.keys.copy_(a.keys)
+    b.values.copy_(a.values)
+    rows = [*range(c), *(c + p for p in acc.path)]
+    want_k, want_v = a.keys[:, 1, :, rows].clone(), a.values[:, 1, :, rows].clone()
+    other = a.keys[:, 0].clone()
+    a.compact(1, c, acc.path)
     with CountHostReads() as counter:
-        compact_cache(b, c, acc.path, acc.index)
+        b.compact(1, c, acc.path, acc.index)
     assert counter.reads == []
-    for la, lb, w in zip(a.layers, b.layers, want):
-        assert torch.equal(la.keys, w) and torch.equal(lb.keys, w) and torch.equal(lb.values, la.values)
+    m = len(rows)
+    for pool in (a, b):
+        assert torch.equal(pool.keys[:, 1, :, :m], want_k) and torch.equal(pool.values[:, 1, :, :m], want_v)
+        assert torch.equal(pool.keys[:, 0], other)  # the other slot is untouched

@@ -225,13 +225,10 @@ def test_hybrid_proposal_well_formed_on_the_default_target(target_f32, random_dr
     eng = Engine(target_f32)
     ids = eng.chat_prompt_ids([{"role": "user", "content": "Copy this list twice: apple, pear, plum, fig."}])
     st = h.new_state()
-    from engine.verifier import target_forward
-    from reference import gather_features
-    from transformers import DynamicCache
+    from reference import gather_features, hf_forward
 
     with torch.inference_mode():
-        out = target_forward(target_f32.model, torch.tensor([ids]), DynamicCache(config=target_f32.model.config),
-                             hidden=True, logits_to_keep=1)
+        out = hf_forward(target_f32.model, torch.tensor([ids]), output_hidden_states=True, logits_to_keep=1)
         h.extend(st, ids, gather_features(out.hidden_states, h.feature_layers))
     merged = 0
     for root in ids[-12:]:  # roots that occur in the context: the suffix index matches
