@@ -123,7 +123,8 @@ def run(args) -> int:
 
     mode_objs = build_modes(modes, target, drafter, bastion_controller)
     settings = BenchSettings(
-        target=target.name, drafter=drafter_desc, dtype=args.dtype, device=args.device, modes=modes,
+        target=target.name, drafter=drafter_desc, dtype=str(target.dtype).removeprefix("torch."), device=args.device,
+        modes=modes,
         max_new_tokens=max_new, temperature=args.temperature, seed=args.seed, multi_turn=args.multi_turn,
         ignore_eos=args.ignore_eos, num_prompts=num_prompts, budgets=budgets,
     )

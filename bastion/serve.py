@@ -127,8 +127,13 @@ def run(args) -> int:
         server.should_exit = True
 
     # Printed, not logged: the default log level hides INFO, and users wait for this line.
-    scheduler.on_ready = lambda: print(f"bastion: ready on http://{args.host}:{args.port}/v1 (health: /health)",
-                                       file=sys.stderr, flush=True)
+    def on_ready() -> None:
+        info = scheduler.model_info
+        dtype = f"{info.dtype}; " if info is not None else ""
+        print(f"bastion: ready on http://{args.host}:{args.port}/v1 ({dtype}health: /health)", file=sys.stderr,
+              flush=True)
+
+    scheduler.on_ready = on_ready
     scheduler.on_load_error = on_load_error
     # uvicorn re-raises the captured signal after its graceful shutdown, which would turn a clean
     # exit into "killed by SIGTERM"; handlers installed here absorb that re-raise.

@@ -26,7 +26,7 @@ class EngineSettings:
     target: HF id, folder or .gguf (None: embedded default). drafter: a drafter spec
     (bastion.factory.load_drafter), or None for the default (the shipped drafter of the
     default target). mode: one of MODES (None: 'bastion' when a drafter exists, else 'ar').
-    budget: tree size for mode 'tree'. dtype: 'float32' | 'bfloat16'. device: torch device.
+    budget: tree size for mode 'tree'. dtype: 'auto' | 'float32' | 'bfloat16'. device: torch device.
     threads: torch CPU threads (0: torch default). attention: tree attention backend.
     """
 
@@ -34,7 +34,7 @@ class EngineSettings:
     drafter: str | None = None
     mode: str | None = None
     budget: int = 32
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     threads: int = 0
     attention: str = "auto"
@@ -52,8 +52,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default=env("mode", None), choices=MODES,
                         help="decoding mode (default: bastion with a drafter, else ar)")
     parser.add_argument("--budget", type=int, default=env("budget", "32"), help="tree size for --mode tree")
-    parser.add_argument("--dtype", default=env("dtype", "float32"), choices=["float32", "bfloat16"],
-                        help="weights and compute dtype")
+    parser.add_argument("--dtype", default=env("dtype", "auto"), choices=["auto", "float32", "bfloat16"],
+                        help="weights and compute dtype (auto: the cheaper verification on this machine, "
+                             "measured at start-up)")
     parser.add_argument("--device", default=env("device", "cpu"), help="torch device (cpu, cuda)")
     parser.add_argument("--attention", default=env("attention", "auto"),
                         choices=["auto", "sdpa", "flex", "flash_attn"],

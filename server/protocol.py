@@ -428,6 +428,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "bastion"
     max_model_len: int
+    dtype: str
 
 
 class ModelList(BaseModel):

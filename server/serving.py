@@ -109,7 +109,7 @@ class OpenAIServing:
     # ---- GET /v1/models --------------------------------------------------------------------
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         max_model_len=self.model.max_context)])
+                                         max_model_len=self.model.max_context, dtype=self.model.dtype)])
 
     # ---- shared preparation ----------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:

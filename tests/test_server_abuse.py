@@ -50,6 +50,7 @@ class FakeEngine:
         self.accounting = StepAccounting()
         self.fail_start: BaseException | None = None
         self.fail_template: BaseException | None = None
+        self.held: set[int] = set()  # ids of sequences whose KV slot is not given back
 
     def tokenizer(self, text, add_special_tokens=False):
         return {"input_ids": [1]}
@@ -71,7 +72,12 @@ class FakeEngine:
         if self.fail_start is not None:
             raise self.fail_start
         params.validate()
-        return _Seq(params)
+        seq = _Seq(params)
+        self.held.add(id(seq))
+        return seq
+
+    def release(self, seq) -> None:
+        self.held.discard(id(seq))
 
     def step(self, seq):
         time.sleep(self.step_s)
@@ -149,7 +155,8 @@ def test_admission_counts_running_slots_so_max_queue_zero_is_no_waiting_room():
 
 
 def test_a_client_that_stops_reading_is_cancelled_and_its_slot_freed():
-    sched = started(Scheduler(factory(FakeEngine(step_s=0.01)), max_queue=0, max_running=1, stall_timeout=0.3))
+    engine = FakeEngine(step_s=0.01)
+    sched = started(Scheduler(factory(engine), max_queue=0, max_running=1, stall_timeout=0.3))
     try:
         async def scenario():
             stream = sched.generate([1, 2], __import__("engine.sampling", fromlist=["x"]).SamplingParams(
@@ -163,6 +170,7 @@ def test_a_client_that_stops_reading_is_cancelled_and_its_slot_freed():
         wait_for(lambda: stream.request.finish_reason is not None)
         assert stream.request.finish_reason == "cancelled"
         assert stream.request.n_tokens < 1000  # it did not generate on for nobody
+        assert not engine.held  # the cancelled sequence gave its KV slot back
         sched.submit(request("next", max_tokens=2))
     finally:
         sched.shutdown(1.0)
