@@ -1,0 +1,100 @@
+"""The engine's KV pool: slots handed out and given back, growth keeps contents, writes stay inside
+their slot, and the engine neither leaks slots nor writes past one; dtype 'auto' keeps the cheaper."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine, make_controller
+from engine.kv_cache import CacheCapacityError, KVPool, SlotsExhaustedError
+from engine.sampling import SamplingParams
+from helpers import OracleDrafter, tiny_target
+
+
+def test_slots_are_handed_out_once_and_given_back():
+    pool = KVPool(2, 2, 1, 8, 4)
+    a, b = pool.allocate(), pool.allocate()
+    assert {a, b} == {0, 1} and pool.free_slots == 0
+    with pytest.raises(SlotsExhaustedError):
+        pool.allocate()
+    pool.release(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.release(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.release(7)
+    assert pool.allocate() == a
+
+
+def test_growth_keeps_every_held_slot():
+    pool = KVPool(2, 1, 1, 8, 4)
+    s = pool.allocate()
+    pool.write(1, s, 0, torch.ones(1, 3, 4), 2 * torch.ones(1, 3, 4))
+    pool.grow(3)
+    assert pool.num_slots == 3 and pool.free_slots == 2
+    k, v = pool.view(1, s, 3)
+    assert torch.equal(k, torch.ones(1, 3, 4)) and torch.equal(v, 2 * torch.ones(1, 3, 4))
+    assert {pool.allocate(), pool.allocate()} == {1, 2}
+    with pytest.raises(ValueError, match="shrink"):
+        pool.grow(2)
+
+
+def test_a_write_past_the_capacity_is_refused_and_writes_nothing():
+    pool = KVPool(1, 2, 1, 8, 2)
+    pool.keys.zero_()
+    with pytest.raises(CacheCapacityError, match="9 tokens"):
+        pool.write(0, 0, 6, torch.ones(1, 3, 2), torch.ones(1, 3, 2))
+    pool.write(0, 0, 5, torch.ones(1, 3, 2), torch.ones(1, 3, 2))  # exactly to the end
+    assert pool.keys[0, 0, :, 5:].eq(1).all() and not pool.keys[0, 1].any() and not pool.keys[0, 0, :, :5].any()
+
+
+def test_engine_gives_every_slot_back_finished_cancelled_or_abandoned():
+    target = tiny_target(vocab=32, layers=2, hidden=32)
+    prompt = [3, 5, 7]
+    eng = Engine(target)
+    ref = eng.generate(prompt, SamplingParams(max_tokens=12)).token_ids
+    drafter = OracleDrafter(prompt + ref + [0] * 16, 32, decoy_every=2)
+    eng = Engine(target, drafter, make_controller("tree", 8))
+    assert eng.generate(prompt, SamplingParams(max_tokens=12)).token_ids == ref
+    stream = eng.stream(prompt, SamplingParams(max_tokens=12), should_cancel=lambda: True)
+    assert [ev.finish_reason for ev in stream][-1] == "cancelled"
+    abandoned = eng.stream(prompt, SamplingParams(max_tokens=12))
+    next(abandoned)
+    abandoned.close()
+    seqs = [eng.start(prompt, SamplingParams(max_tokens=12)) for _ in range(3)]  # the pool grows to hold them
+    assert eng.pool.num_slots >= 3
+    for seq in seqs:
+        eng.release(seq)
+        eng.release(seq)  # idempotent
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_a_prompt_at_the_context_limit_is_refused_before_any_work():
+    from engine.engine import ContextLengthError
+
+    target = tiny_target(vocab=32, layers=2, hidden=32)
+    eng = Engine(target)
+    limit = eng.max_context()
+    with pytest.raises(ContextLengthError):
+        eng.start([1] * (limit - 3), SamplingParams(max_tokens=4))
+    assert eng.pool.free_slots == eng.pool.num_slots
+    seq = eng.start([1] * (limit - 4), SamplingParams(max_tokens=4, ignore_eos=True))  # fits exactly
+    while seq.finish_reason is None:
+        eng.step(seq)
+    assert seq.prefix_len <= eng.pool.capacity and eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_choose_dtype_keeps_the_measured_cheaper_one(monkeypatch):
+    import engine.timing as timing
+
+    target = tiny_target(vocab=32, layers=2, hidden=32)
+    real = timing.verify_timer
+
+    def slower_in_float32(model, *args, **kwargs):
+        measure = real(model, *args, **kwargs)
+        penalty = 0.05 if model.dtype == torch.float32 else 0.0
+        return lambda s, c: measure(s, c) + penalty
+
+    monkeypatch.setattr(timing, "verify_timer", slower_in_float32)
+    dtype, costs = timing.choose_dtype(target.model, sizes=(1, 4), context=8, repeats=1)
+    assert dtype == torch.bfloat16 and target.model.dtype == torch.bfloat16
+    assert set(costs) == {"float32", "bfloat16"} and costs["float32"] > costs["bfloat16"]
