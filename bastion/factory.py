@@ -75,7 +75,9 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
         torch.set_num_threads(settings.threads)
     if settings.mode is not None and settings.mode not in MODES:
         raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
-    target = target or load_target(settings.target, settings.dtype, settings.device)
+    # dtype 'auto' weighs what the mode verifies: one token for plain decoding, trees otherwise.
+    sizes = (1,) if settings.mode == "ar" else (1, 16)
+    target = target or load_target(settings.target, settings.dtype, settings.device, auto_sizes=sizes)
     # 'auto': sdpa on a CPU, else the fastest backend measured on the device.
     backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)

@@ -5,7 +5,9 @@
     python scripts/gpu_check.py --device cpu --overhead-only   # per-step overhead at Qwen3-8B shapes
 
 It builds a Qwen3-8B-shaped target and a z-lab-shaped DFlash drafter with random weights
-directly on the device (no download), then:
+directly on the device (no download), then (writing gpu_check.json after every section):
+  0. decodes greedily one token per forward and verifies the same tokens as one tree, in float32
+     and the run's dtype: first divergence, its logit margin, device syncs per step;
   1. checks every available attention backend against sdpa inside the model (logits of one
      tree verification) and times the attention call alone;
   2. times tree verification for s in {1, 16, ..., 1024} at c in {512, 2048} per backend;
@@ -49,7 +51,7 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
             tie_word_embeddings=False)
-S_FULL, C_FULL = (1, 16, 32, 64, 128, 256, 512, 1024), (512, 2048)
+S_FULL, C_FULL = (1, 16, 32, 64, 128, 256, 512, 1024), (512, 2048, 8192, 32768)
 S_TINY, C_TINY = (1, 16, 64), (64, 256)
 
 
@@ -100,10 +102,10 @@ def random_tree(n: int, vocab: int, gen: torch.Generator) -> Tree:
                 log_scores=torch.zeros(n))
 
 
-def tree_forward(fwd: TargetForward, pool, tree: Tree, prefix_len: int, backend: str):
-    """One verification forward through the engine's own forward: logits [n, V]."""
+def tree_forward(fwd: TargetForward, pool, tree: Tree, prefix_len: int, backend: str, slot: int = 0):
+    """One verification forward through the engine's own forward, in `slot`: logits [n, V]."""
     dev = fwd.device
-    seg = Segment(0, prefix_len, tree.size, attn.TreeAttention.from_tree(tree, prefix_len, dev) if tree.size > 1 else None)
+    seg = Segment(slot, prefix_len, tree.size, attn.TreeAttention.from_tree(tree, prefix_len, dev) if tree.size > 1 else None)
     return fwd(pool, tree.tokens.to(dev), tree.position_ids(prefix_len)[0].to(dev), [seg], backend=backend)[0]
 
 
@@ -282,6 +284,68 @@ def step_overhead(shape: dict, device: torch.device, dtype: torch.dtype, n: int 
     return out
 
 
+@torch.inference_mode()
+def tree_vs_ar(shape: dict, device: torch.device, dtypes: list[torch.dtype], prompt: int, steps: int) -> list[dict]:
+    """Greedy decoding one token per forward against one tree verification of the same tokens.
+
+    For each dtype: a random target (the given shapes) decodes `steps` tokens after a random
+    prompt, one forward per token (AR). Then a fresh slot verifies a tree holding that AR path
+    with a decoy sibling at every depth (so node order is not the path order), and the tree's
+    argmax along the path is compared with AR's tokens. Reports the first divergence and AR's
+    top-1 minus top-2 logit margin there (a near-tie explains a bfloat16 flip), the smallest
+    margin over the path, and the device syncs of one AR step (torch.cuda sync debug mode).
+    """
+    import warnings
+
+    rows = []
+    for dtype in dtypes:
+        target, _ = build_models(shape, device, dtype, draft_layers=2)
+        fwd = target_forward_for(target)
+        gen = torch.Generator().manual_seed(4)
+        V = shape["vocab_size"]
+        ids = torch.randint(0, V, (prompt,), generator=gen).to(device)
+        pool = fwd.new_pool(2, prompt + 2 * steps + 2)
+        logits, _ = fwd(pool, ids, torch.arange(prompt, device=device), [Segment(0, 0, prompt)], last_only=True)
+        ar, margins, syncs = [], [], None
+        for i in range(steps):
+            top = torch.topk(logits[-1].float(), 2)
+            margins.append(float(top.values[0] - top.values[1]))
+            tok = int(top.indices[0])
+            ar.append(tok)
+            step_in = torch.tensor([tok], device=device)
+            pos = torch.tensor([prompt + i], device=device)
+            if device.type == "cuda" and syncs is None:
+                torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    logits, _ = fwd(pool, step_in, pos, [Segment(0, prompt + i, 1)])
+                torch.cuda.set_sync_debug_mode(0)
+                syncs = sum("synchroniz" in str(w.message) for w in caught)
+            else:
+                logits, _ = fwd(pool, step_in, pos, [Segment(0, prompt + i, 1)])
+        # The tree: root = the prompt's first AR token; path nodes carry ar[1:], each with a decoy sibling.
+        tokens, parents, depths = [ar[0]], [-1], [0]
+        node = 0
+        for d, tok in enumerate(ar[1:], start=1):
+            tokens += [(tok + 1) % V, tok]  # the decoy comes first
+            parents += [node, node]
+            depths += [d, d]
+            node = len(tokens) - 1
+        tree = Tree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), depths=torch.tensor(depths),
+                    a_hat=1.0, log_scores=torch.zeros(len(tokens)))
+        fwd(pool, ids, torch.arange(prompt, device=device), [Segment(1, 0, prompt)], last_only=True)
+        tl = tree_forward(fwd, pool, tree, prompt, "sdpa", slot=1).float()
+        path = [0] + [2 * d for d in range(1, len(ar))]
+        got = tl[path].argmax(-1).tolist()  # the target's choice after each path node
+        want = ar[1:] + [None]
+        first = next((i for i, (g, w) in enumerate(zip(got, want)) if w is not None and g != w), None)
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "steps": steps, "tree_nodes": tree.size,
+                     "first_divergence": first, "margin_at_divergence": None if first is None else margins[first + 1],
+                     "min_margin": min(margins), "syncs_per_ar_step": syncs})
+        del target, fwd, pool
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [f"# gpu_check: {report['device_name']} ({report['dtype']}, {'tiny' if report['tiny'] else 'Qwen3-8B'} shapes)",
              ""]
@@ -304,6 +368,14 @@ def markdown(report: dict) -> str:
         for s in ss:
             cells = [look.get((b, c, s)) for b in backends for c in cs]
             lines.append(f"| {s} | " + " | ".join("-" if x is None else f"{x * 1e3:.2f}" for x in cells) + " |")
+        lines.append("")
+    if report.get("tree_vs_ar"):
+        lines += ["Tree verification against one-token decoding (random weights, greedy):", "",
+                  "| dtype | tokens | tree nodes | first divergence | margin there | min margin | syncs per AR step |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["tree_vs_ar"]:
+            lines.append(f"| {r['dtype']} | {r['steps']} | {r['tree_nodes']} | {r['first_divergence']} | "
+                         f"{r['margin_at_divergence']} | {r['min_margin']:.3g} | {r['syncs_per_ar_step']} |")
         lines.append("")
     cal = report.get("calibration")
     if cal:
@@ -358,7 +430,20 @@ def main(argv: list[str] | None = None) -> dict:
                     "tiny": args.tiny, "torch": torch.__version__, "python": platform.python_version(),
                     "flash_attn_available": attn.flash_available(device), "shape": shape,
                     "threads": torch.get_num_threads()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so a timeout loses nothing already measured
+        report["elapsed_s"] = time.perf_counter() - t_start
+        if device.type == "cuda":
+            report["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+
     if not args.overhead_only:
+        dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+        report["tree_vs_ar"] = tree_vs_ar(shape, device, dtypes, prompt=16 if args.tiny else 256,
+                                          steps=8 if args.tiny else 32)
+        save()
         s_values, c_values = (S_TINY, C_TINY) if args.tiny else (S_FULL, C_FULL)
         warmup, repeats = (1, 2) if args.tiny else (2, 5)
         budget = args.budget_s if args.budget_s is not None else (15.0 if args.tiny else 240.0)
@@ -367,21 +452,22 @@ def main(argv: list[str] | None = None) -> dict:
         backends = attn.available_backends(device)
         report["backends"] = check_backends(target, backends, device, dtype, n=32 if args.tiny else 64,
                                             c=c_values[0])
+        save()
         report["selected_backend"] = min((b for b, r in report["backends"].items()
                                            if r.get("ok") and r.get("attention_only_s")),
                                           key=lambda b: report["backends"][b]["attention_only_s"], default="sdpa")
         report["verification"] = time_verification(target, backends, device, s_values, c_values, warmup, repeats,
                                                    budget)
+        save()
         report["calibration"] = run_calibration(target, dtype, device, s_values, c_values,
                                                 5.0 if args.tiny else 120.0)
+        save()
         report["drafter"] = time_drafter(drafter, device, c_values, warmup, repeats)
+        save()
         del target, drafter
     oshape = TINY if args.tiny else QWEN3_8B
     report["overhead"] = step_overhead(oshape, device, dtype, n=64, c=512, repeats=5 if args.tiny else 20)
-    report["elapsed_s"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    save()
     md = markdown(report)
     (out / "gpu_check.md").write_text(md)
     print(md)

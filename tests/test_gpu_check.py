@@ -35,6 +35,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     ov = saved["overhead"]
     assert ov["n"] == 64 and ov["accepted_path"] >= 2 and ov["total_device_path"] > 0
     assert ov["total_device_path"] > 0 and ov["accept_device"] > 0 and ov["load_device"] > 0
+    exact = {r["dtype"]: r for r in saved["tree_vs_ar"]}
+    assert exact["float32"]["first_divergence"] is None and exact["float32"]["tree_nodes"] == 15
+    assert "first divergence" in md
     assert "| device |" in md
     assert "| backend |" in md and "Verification latency" in md and "Calibration" in md
     assert report["elapsed_s"] < 60
