@@ -17,8 +17,8 @@ from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, Stoppi
 from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.greedy_device import accept_greedy_device
 from engine.timing import StepClock
-from engine.tree_buffers import TreeBufferPool
-from engine.verifier import accept_sample, verify
+from engine.tree_buffers import DeviceTree, TreeBufferPool
+from engine.verifier import VerifyOutput, accept_sample, verify, verify_batch
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
@@ -199,6 +199,7 @@ class Engine:
         self.pool = self.forward.new_pool(slots, min(self.max_context() + TREE_HEADROOM, self.forward.max_positions))
         # Tree index buffers, one per bucket size, reused by every step of every request.
         self.buffers = TreeBufferPool(self.model.device)
+        self._batch_buffers = [self.buffers]  # one pool per position in a batched step
         self._clock = StepClock(self.model.device)
 
     # ---- prompt handling -------------------------------------------------------------
@@ -300,23 +301,22 @@ class Engine:
         if self.drafter is not None:
             self.drafter.finish(seq.drafter_state, committed)
 
-    @torch.inference_mode()
     def step(self, seq: Sequence) -> GenerationEvent:
         """One decoding step: draft, build the tree, verify, accept, compact, commit.
 
         Returns the step's event (finish_reason set when the request ends).
         """
-        drafter = self.drafter
-        feature_layers = drafter.feature_layers if drafter is not None else ()
-        params = seq.params
-        clock = self._clock
-        clock.mark()
-        remaining = params.max_tokens - seq.n_out
-        controller = self.controller
+        out = self.step_batch([seq])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def _plan(self, seq: Sequence) -> tuple[Tree, bool, bool]:
+        """Draft and build this step's tree for `seq`: (tree, drafted, cheap)."""
+        drafter, controller = self.drafter, self.controller
+        remaining = seq.params.max_tokens - seq.n_out
         policy = controller.policy_for_step(seq.prefix_len)
-        proposal = None
-        max_depth = 0
-        drafted = False
+        proposal, max_depth, drafted = None, 0, False
         if drafter is not None and policy.max_nodes > 1 and remaining > 1:
             depth = min(drafter.max_depth, remaining - 1)
             if controller.should_draft():
@@ -325,51 +325,105 @@ class Engine:
                 proposal = drafter.propose_cheap(seq.drafter_state, seq.root, depth)
             if proposal is not None:
                 proposal, max_depth = controller.correct(proposal), depth
-        clock.mark()
         # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
         # nodes can build one) is cut to its best prefix-closed part.
         tree = build_tree(seq.root, proposal, policy, max_depth).head(self.pool.capacity - seq.prefix_len)
+        return tree, drafted, proposal is not None and not drafted
+
+    @torch.inference_mode()
+    def step_batch(self, seqs: list[Sequence]) -> list[GenerationEvent | Exception]:
+        """One decoding step for several running sequences, their trees verified in one forward.
+
+        Each sequence drafts and builds its own tree; one target forward then carries every tree
+        (each attends to its own KV slot and its own ancestors only, engine.forward.Segment);
+        acceptance, compaction, stops and max_tokens stay per sequence, each with its own
+        sampling parameters and generator. Returns one event per sequence, in order, or the
+        exception that sequence's own work raised (its drafter, tree or acceptance): that
+        sequence is released and the others go on. An error of the shared forward is raised. Phase
+        times in each StepStats are the batch's (shared); the controller observes steps only
+        when one sequence ran, since its latency model prices one tree per forward.
+        Raises ValueError when a sequence appears twice or has finished.
+        """
+        if len({id(s) for s in seqs}) != len(seqs) or any(s.slot < 0 or s.finish_reason for s in seqs):
+            raise ValueError("step_batch needs distinct running sequences")
+        drafter = self.drafter
+        feature_layers = drafter.feature_layers if drafter is not None else ()
+        clock = self._clock
         clock.mark()
-        device_tree = self.buffers.load(tree, seq.prefix_len)
-        verified = verify(self.forward, self.pool, seq.slot, device_tree, feature_layers, backend=self.backend)
+        failed: dict[int, Exception] = {}
+        plans = {}
+        for r, seq in enumerate(seqs):
+            try:
+                plans[r] = self._plan(seq)
+            except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
+                failed[r] = e
+        live = [r for r in range(len(seqs)) if r not in failed]
         clock.mark()
+        while len(self._batch_buffers) < len(seqs):
+            self._batch_buffers.append(TreeBufferPool(self.model.device))
+        device_trees = {r: self._batch_buffers[i].load(plans[r][0], seqs[r].prefix_len) for i, r in enumerate(live)}
+        clock.mark()
+        if len(live) == 1:
+            r = live[0]
+            verified = {r: verify(self.forward, self.pool, seqs[r].slot, device_trees[r], feature_layers,
+                                  backend=self.backend)}
+        elif live:
+            outs = verify_batch(self.forward, self.pool, [seqs[r].slot for r in live],
+                                [device_trees[r] for r in live], feature_layers, backend=self.backend)
+            verified = dict(zip(live, outs))
+        clock.mark()
+        results = {}
+        for r in live:
+            seq, (tree, drafted, cheap), device_tree, out = seqs[r], plans[r], device_trees[r], verified[r]
+            try:
+                results[r] = self._accept(seq, tree, device_tree, out) + (tree, drafted, cheap)
+            except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
+                failed[r] = e
+        clock.mark()
+        draft_s, load_s, verify_s, commit_s = clock.intervals()
+        events: list[GenerationEvent | Exception] = []
+        for r, seq in enumerate(seqs):
+            if r in failed:
+                self.release(seq)
+                events.append(failed[r])
+                continue
+            path, committed, finish, context_len, tree, drafted, cheap = results[r]
+            stats = StepStats(tree_size=tree.size, accepted=len(committed), accepted_depth=len(path) - 1,
+                              context_len=context_len, a_hat=tree.a_hat, drafted=drafted, draft_s=draft_s,
+                              verify_s=verify_s, other_s=load_s + commit_s, cheap=cheap)
+            seq.steps.append(stats)
+            self.accounting.record(stats)
+            if len(seqs) == 1:
+                self.controller.observe(stats, tree)
+            if finish is not None:
+                # The root was committed earlier but, like this step's tokens, never reached the drafter.
+                self._finished(seq, [seq.root] + committed)
+            events.append(GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats))
+        return events
+
+    def _accept(self, seq: Sequence, tree: Tree, device_tree: DeviceTree, out: VerifyOutput
+                ) -> tuple[list[int], list[int], str | None, int]:
+        """Acceptance, commit, compaction and the drafter's update for one verified tree:
+        (path, committed tokens, finish_reason, context length before the step)."""
+        drafter = self.drafter
+        params = seq.params
         if params.greedy:
-            acceptance = accept_greedy_device(device_tree, verified.logits)
+            acceptance = accept_greedy_device(device_tree, out.logits)
             path, bonus, index = acceptance.path, acceptance.bonus, acceptance.index
         else:
-            path, bonus = accept_sample(tree, verified.logits, params, seq.generator)
+            path, bonus = accept_sample(tree, out.logits, params, seq.generator)
             index = None
         committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
         context_len = seq.prefix_len
         if finish is None:
             self.pool.compact(seq.slot, seq.prefix_len, path, index)
             if drafter is not None:
-                feats = verified.features
+                feats = out.features
                 feats = feats[index if index is not None else path] if feats is not None else None
                 drafter.extend(seq.drafter_state, tree.tokens[path].tolist(), feats)
             seq.prefix_len += len(path)
             seq.root = bonus
-        clock.mark()
-        draft_s, build_s, verify_s, commit_s = clock.intervals()
-        stats = StepStats(
-            tree_size=tree.size,
-            accepted=len(committed),
-            accepted_depth=len(path) - 1,
-            context_len=context_len,
-            a_hat=tree.a_hat,
-            drafted=drafted,
-            draft_s=draft_s,
-            verify_s=verify_s,
-            other_s=build_s + commit_s,
-            cheap=proposal is not None and not drafted,
-        )
-        seq.steps.append(stats)
-        self.accounting.record(stats)
-        controller.observe(stats, tree)
-        if finish is not None:
-            # The root was committed earlier but, like this step's tokens, never reached the drafter.
-            self._finished(seq, [seq.root] + committed)
-        return GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats)
+        return path, committed, finish, context_len
 
     def stream(
         self,

@@ -167,8 +167,12 @@ class TargetForward:
         N = int(tokens.shape[0])
         if sum(s.n for s in segments) != N:
             raise ValueError(f"{N} tokens for segments of {sum(s.n for s in segments)} rows")
+        # Per segment, views of its slot for all layers, taken once: [L, h_kv, length, d].
+        views = []
         for s in segments:
             pool.check_fits(s.start + s.n)
+            end = s.start + s.n
+            views.append((pool.keys[:, s.slot, :, :end], pool.values[:, s.slot, :, :end]))
         hq, hkv, d = self.hq, self.hkv, self.head_dim
         want = set(feature_layers)
         if any(not 0 <= j <= self.num_layers for j in want):
@@ -191,10 +195,11 @@ class TargetForward:
                 q, k = qk[:, :hq], qk[:, hq:]
             outs = []
             row = 0
-            for s in segments:
+            for s, (all_keys, all_values) in zip(segments, views):
                 end = row + s.n
-                pool.write(i, s.slot, s.start, k[row:end].transpose(0, 1), v[row:end].transpose(0, 1))
-                keys, values = pool.view(i, s.slot, s.start + s.n)
+                keys, values = all_keys[i], all_values[i]
+                keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
+                values[:, s.start:].copy_(v[row:end].transpose(0, 1))
                 qs = q[row:end].transpose(0, 1)[None]
                 if s.tree is None:
                     o = causal_attention(qs, keys[None], values[None], self.scale)

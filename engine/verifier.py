@@ -43,6 +43,27 @@ def verify(forward: TargetForward, pool: KVPool, slot: int, device_tree: DeviceT
     return VerifyOutput(logits=logits, features=feats)
 
 
+@torch.inference_mode()
+def verify_batch(forward: TargetForward, pool: KVPool, slots: list[int], device_trees: list[DeviceTree],
+                 feature_layers: tuple[int, ...], backend: str = "sdpa") -> list[VerifyOutput]:
+    """`verify` for several sequences in one forward: tree r over slot slots[r].
+
+    Every tree attends to its own slot's prefix and its own ancestors only. Returns one
+    VerifyOutput per tree (logits [n_r, V], features [n_r, F] or None), views of the batch's.
+    """
+    segments = [Segment(slot, dt.prefix_len, dt.size, dt.attention() if dt.size > 1 else None)
+                for slot, dt in zip(slots, device_trees)]
+    tokens = torch.cat([dt.tokens for dt in device_trees])
+    positions = torch.cat([dt.position_ids[0] for dt in device_trees])
+    logits, feats = forward(pool, tokens, positions, segments, feature_layers, backend=backend)
+    outs, row = [], 0
+    for dt in device_trees:
+        end = row + dt.size
+        outs.append(VerifyOutput(logits=logits[row:end], features=None if feats is None else feats[row:end]))
+        row = end
+    return outs
+
+
 def accept_sample(
     tree: Tree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[list[int], int]:

@@ -6,10 +6,11 @@ iterator over the request's `GenerationEvent`s fed from the worker thread; leavi
 early (or closing it) cancels the request. The worker
 thread builds the engine (so loading never blocks the loop), times a one-token forward
 for the speedup estimate, then loops: admit waiting requests in arrival order up to
-`max_running`, and advance every running sequence by one `engine.step`. With
-`max_running=1` requests are decoded one at a time in arrival order; larger values
-interleave steps of several sequences (each owns its cache), the seam where a later
-batched step plugs in.
+`max_running`, and advance every running sequence together by one `engine.step_batch`
+(one target forward carries every running sequence's tree, each in its own KV slot). With
+`max_running=1` requests are decoded one at a time in arrival order. Each sequence keeps its
+own tree size today (the controller sizes trees per sequence); a request joins the batch
+after its prefill and leaves it when it finishes.
 
 Admission counts live requests only: at most `max_running + max_queue` requests are
 admitted or waiting at once (so `max_queue=0` means "no waiting room", not "refuse all").
@@ -445,13 +446,19 @@ class Scheduler:
             for req in admitted:
                 self._guarded(self._prefill, req)
             now = time.perf_counter()
+            batch = []
             for req in list(self._running):
                 if req.finish_reason is None and req.seq is not None and all(req is not a for a in admitted):
                     if req.stalled(now, self.stall_timeout):
                         log.info("%s: the client read nothing for %.0f s; cancelled", req.request_id,
                                  now - req.last_read)
                         req.cancel()
-                    self._guarded(self._step, req)
+                    if req.cancelled:
+                        self._guarded(self._cancel_running, req)
+                    else:
+                        batch.append(req)
+            if batch:
+                self._step_batch(batch)
             with self._cv:
                 self._running = [r for r in self._running if r.finish_reason is None]
                 self._gauges()
@@ -487,18 +494,30 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
         self._deliver(req, req.seq.pending)
 
-    def _step(self, req: EngineRequest) -> None:
-        if req.cancelled:
-            self._finish(req, "cancelled", GenerationEvent([], req.seq.detok.release(final=True), "cancelled"))
-            return
+    def _cancel_running(self, req: EngineRequest) -> None:
+        self._finish(req, "cancelled", GenerationEvent([], req.seq.detok.release(final=True), "cancelled"))
+
+    def _step_batch(self, reqs: list[EngineRequest]) -> None:
+        """One engine step for every running request at once (their trees in one forward).
+
+        A request whose own work failed gets its error (HTTP 500) and the others go on; a
+        failure of the shared step fails the requests of that step only, never the worker.
+        """
         try:
-            ev = self.engine.step(req.seq)
+            outs = self.engine.step_batch([req.seq for req in reqs])
         except Exception:  # noqa: BLE001
-            log.exception("decoding step failed for %s", req.request_id)
-            self._fail(req, self._internal(req))
+            log.exception("decoding step failed for %s", ", ".join(r.request_id for r in reqs))
+            for req in reqs:
+                if req.finish_reason is None:
+                    self._fail(req, self._internal(req))
             return
-        req.steps.append(ev.step)
-        self._deliver(req, ev)
+        for req, out in zip(reqs, outs):
+            if isinstance(out, Exception):
+                log.error("decoding step failed for %s", req.request_id, exc_info=out)
+                self._fail(req, self._internal(req))
+                continue
+            req.steps.append(out.step)
+            self._guarded(lambda r, ev=out: self._deliver(r, ev), req)
 
     @staticmethod
     def _internal(req: EngineRequest) -> RequestFailed:

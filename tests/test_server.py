@@ -377,11 +377,11 @@ def test_full_queue_is_429_with_retry_after(live, monkeypatch):
 def test_engine_failure_is_500_without_trace_and_server_survives(live, monkeypatch):
     live.wait_idle()
 
-    def broken_step(seq):
+    def broken_step(seqs):
         raise RuntimeError("secret internal detail")
 
     errors_before = live.metric("bastion_requests_total", finish_reason="error")
-    monkeypatch.setattr(live.engine, "step", broken_step)
+    monkeypatch.setattr(live.engine, "step_batch", broken_step)
     r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
     assert r.status_code == 500
     err = r.json()["error"]

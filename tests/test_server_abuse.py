@@ -79,6 +79,9 @@ class FakeEngine:
     def release(self, seq) -> None:
         self.held.discard(id(seq))
 
+    def step_batch(self, seqs):
+        return [self.step(seq) for seq in seqs]
+
     def step(self, seq):
         time.sleep(self.step_s)
         seq.n += 1

@@ -1,0 +1,137 @@
+"""Several sequences verified in one forward (Engine.step_batch): each output equals the sequence
+served alone, with sequences joining, leaving and being cancelled mid-run; seeded sampling is
+reproducible whatever runs beside it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import Engine, make_controller
+from engine.sampling import SamplingParams
+from helpers import OracleDrafter, tiny_target
+
+VOCAB = 64
+PROMPTS = [[3, 5, 7], [11, 2, 9, 4, 4], [8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+N = 24
+
+
+class PromptOracle(OracleDrafter):
+    """OracleDrafter for many sequences at once: each state follows the reference of its own prompt."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], **kwargs):
+        super().__init__([], VOCAB, **kwargs)
+        self.references = references
+
+    def new_state(self):
+        return {"n": 0, "ref": None}
+
+    def extend(self, state, token_ids, features):
+        if state["ref"] is None:
+            state["ref"] = self.references[tuple(token_ids)]
+        state["n"] += len(token_ids)
+
+    def propose(self, state, root, max_depth):
+        self.reference = state["ref"]
+        return super().propose(state, root, max_depth)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab=VOCAB, layers=2, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    eng = Engine(target)
+    return [eng.generate(p, SamplingParams(max_tokens=N)).token_ids for p in PROMPTS]
+
+
+def run_batched(eng: Engine, params: list[SamplingParams], join_after: int = 2, cancel: int | None = None):
+    """Start the first half, step them, let the rest join after `join_after` steps; cancel one if asked."""
+    half = len(PROMPTS) // 2
+    seqs = {i: eng.start(PROMPTS[i], params[i]) for i in range(half)}
+    outs = {i: list(seqs[i].pending.token_ids) for i in seqs}
+    steps = 0
+    run_batched.longest_step = 0
+    while seqs:
+        if steps == join_after:
+            for i in range(half, len(PROMPTS)):
+                seqs[i] = eng.start(PROMPTS[i], params[i])
+                outs[i] = list(seqs[i].pending.token_ids)
+        if cancel is not None and steps == join_after + 1 and cancel in seqs:
+            eng.release(seqs.pop(cancel))
+        order = sorted(seqs)
+        for i, ev in zip(order, eng.step_batch([seqs[i] for i in order])):
+            outs[i].extend(ev.token_ids)
+            run_batched.longest_step = max(run_batched.longest_step, len(ev.token_ids))
+            if ev.finish_reason is not None:
+                del seqs[i]
+        steps += 1
+    return outs
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("chain", 16), ("tree", 16)])
+def test_each_output_in_a_batch_equals_it_served_alone(target, alone, mode, budget):
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+    drafter = None if mode == "ar" else PromptOracle(refs, decoy_every=3)
+    eng = Engine(target, drafter, make_controller(mode, budget))
+    outs = run_batched(eng, [SamplingParams(max_tokens=N) for _ in PROMPTS])
+    assert [outs[i] for i in range(len(PROMPTS))] == alone
+    assert eng.pool.free_slots == eng.pool.num_slots
+    assert (run_batched.longest_step >= 3) == (mode != "ar")  # drafts were accepted (a chain stops at decoys)
+
+
+def test_a_cancelled_sequence_does_not_disturb_the_others(target, alone):
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+    eng = Engine(target, PromptOracle(refs, decoy_every=2), make_controller("tree", 8))
+    outs = run_batched(eng, [SamplingParams(max_tokens=N) for _ in PROMPTS], cancel=0)
+    assert all(outs[i] == alone[i] for i in range(1, len(PROMPTS)))
+    assert outs[0] == alone[0][: len(outs[0])] and len(outs[0]) < N
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_seeded_sampling_is_reproducible_beside_other_requests(target):
+    eng = Engine(target)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=N)
+    ref = eng.generate(PROMPTS[2], sampled).token_ids
+    params = [SamplingParams(max_tokens=N), SamplingParams(temperature=0.8, seed=1, max_tokens=N), sampled,
+              SamplingParams(temperature=1.0, seed=99, max_tokens=N)]
+    outs = run_batched(eng, params, join_after=0)
+    assert outs[2] == ref
+    assert outs[1] != outs[3]  # different seeds, different samples
+
+
+def test_a_sequence_twice_in_one_batch_is_refused(target):
+    eng = Engine(target)
+    seq = eng.start(PROMPTS[0], SamplingParams(max_tokens=N))
+    with pytest.raises(ValueError, match="distinct running"):
+        eng.step_batch([seq, seq])
+    eng.release(seq)
+
+
+def test_a_sequence_whose_drafter_fails_is_dropped_and_the_others_go_on(target, alone):
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+
+    class FailsForOnePrompt(PromptOracle):
+        def propose(self, state, root, max_depth):
+            if state["ref"][: len(PROMPTS[1])] == PROMPTS[1] and state["n"] > len(PROMPTS[1]) + 3:
+                raise RuntimeError("drafter bug")
+            return super().propose(state, root, max_depth)
+
+    eng = Engine(target, FailsForOnePrompt(refs, decoy_every=3), make_controller("tree", 8))
+    seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS)}
+    outs = {i: list(s.pending.token_ids) for i, s in seqs.items()}
+    errors = {}
+    while seqs:
+        order = sorted(seqs)
+        for i, out in zip(order, eng.step_batch([seqs[i] for i in order])):
+            if isinstance(out, Exception):
+                errors[i] = out
+                del seqs[i]
+                continue
+            outs[i].extend(out.token_ids)
+            if out.finish_reason is not None:
+                del seqs[i]
+    assert set(errors) == {1} and "drafter bug" in str(errors[1])
+    assert all(outs[i] == alone[i] for i in (0, 2, 3))
+    assert eng.pool.free_slots == eng.pool.num_slots  # the failed sequence's slot came back too
