@@ -93,22 +93,28 @@ def choose_dtype(model, candidates: tuple[torch.dtype, ...] = (torch.float32, to
                  ) -> tuple[torch.dtype, dict[str, float]]:
     """The dtype whose verification is cheapest on this machine, by measurement.
 
-    model: a loaded target; it is converted in place to each candidate in turn (through the
-    engine's forward, timed like the calibration) and left in the winner. The cost of a
-    candidate is the sum over `sizes` of the median seconds of one s-node verification over
-    `context` cached tokens. Returns (dtype, {dtype name: seconds}). On an AMX CPU or a GPU
-    bfloat16 wins; on a CPU without bfloat16 matrix units float32 does (docs/engine.md).
+    model: a loaded target. Each candidate other than the model's own dtype is timed on a
+    converted copy, so the model's weights are never rounded by a trial (float32 -> bfloat16
+    -> float32 would change them). The model is converted once, to the winner, if that is not
+    its dtype already. The cost of a candidate is the sum over `sizes` of the median seconds of
+    one s-node verification over `context` cached tokens, through the engine's forward, as the
+    calibration times it. Returns (dtype, {dtype name: seconds}). On an AMX CPU or a GPU bfloat16
+    wins; on a CPU without bfloat16 matrix units float32 does for trees (docs/engine.md).
     """
+    import copy
+
     costs: dict[str, float] = {}
     for dtype in candidates:
-        model.to(dtype)
-        measure = verify_timer(model, capacity=context + max(sizes))
+        trial = model if dtype == model.dtype else copy.deepcopy(model).to(dtype)
+        measure = verify_timer(trial, capacity=context + max(sizes))
         total = 0.0
         for s in sizes:
             measure(s, context)  # warm-up
             times = sorted(measure(s, context) for _ in range(repeats))
             total += times[len(times) // 2]
         costs[str(dtype).removeprefix("torch.")] = total
+        del trial, measure
     best = min(candidates, key=lambda d: costs[str(d).removeprefix("torch.")])
-    model.to(best)
+    if best != model.dtype:
+        model.to(best)
     return best, costs

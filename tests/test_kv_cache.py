@@ -91,10 +91,29 @@ def test_choose_dtype_keeps_the_measured_cheaper_one(monkeypatch):
 
     def slower_in_float32(model, *args, **kwargs):
         measure = real(model, *args, **kwargs)
-        penalty = 0.05 if model.dtype == torch.float32 else 0.0
+        penalty = 1.0 if model.dtype == torch.float32 else 0.0  # far above any timing noise
         return lambda s, c: measure(s, c) + penalty
 
     monkeypatch.setattr(timing, "verify_timer", slower_in_float32)
-    dtype, costs = timing.choose_dtype(target.model, sizes=(1, 4), context=8, repeats=1)
+    dtype, costs = timing.choose_dtype(target.model, sizes=(1,), context=8, repeats=1)
     assert dtype == torch.bfloat16 and target.model.dtype == torch.bfloat16
     assert set(costs) == {"float32", "bfloat16"} and costs["float32"] > costs["bfloat16"]
+
+
+def test_choose_dtype_never_rounds_the_weights_it_keeps(monkeypatch):
+    import engine.timing as timing
+
+    target = tiny_target(vocab=32, layers=2, hidden=32)
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    real = timing.verify_timer
+
+    def slower_in_bfloat16(model, *args, **kwargs):
+        measure = real(model, *args, **kwargs)
+        penalty = 1.0 if model.dtype == torch.bfloat16 else 0.0
+        return lambda s, c: measure(s, c) + penalty
+
+    monkeypatch.setattr(timing, "verify_timer", slower_in_bfloat16)
+    dtype, _ = timing.choose_dtype(target.model, sizes=(1,), context=8, repeats=1)
+    assert dtype == torch.float32
+    after = target.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # bit for bit: the trial ran on a copy
