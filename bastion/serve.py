@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", "64"),
                    help="requests allowed to wait beyond --max-running; more get HTTP 429 (default 64)")
     p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "1"),
-                   help="sequences decoded at once, interleaved step by step (default 1)")
+                   help="sequences decoded together; each step verifies all their trees in one forward (default 1)")
     p.add_argument("--max-connections", type=int, default=_env("MAX_CONNECTIONS", "256"),
                    help="open connections allowed; more get HTTP 503 from uvicorn (default 256)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),

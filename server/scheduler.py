@@ -219,7 +219,7 @@ class Scheduler:
     engine_factory: called once on the worker thread; returns the Engine.
     max_queue: requests allowed to wait beyond the `max_running` being decoded (submit
     raises QueueFullError beyond `max_running + max_queue` live requests).
-    max_running: sequences decoded concurrently (interleaved step by step).
+    max_running: sequences decoded together (one `engine.step_batch` per loop).
     metrics: ServerMetrics to update (None: no metrics).
     history: how many FinishedRequest records `recent` keeps (for tests and debugging).
     stall_timeout: seconds a client may leave delivered events unread before its request is
