@@ -154,12 +154,16 @@ class DFlashAttention(nn.Module):
         None at inference (block queries see the whole context and the whole block).
         Returns [b, B, H].
         """
+        kb, vb = self.project_kv(x, cos, sin)
+        return self.attend(x, cos, sin, torch.cat([ctx_k, kb], dim=2), torch.cat([ctx_v, vb], dim=2), attn_mask)
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's queries (from x [b, B, H]) over keys/values k, v [b, n_kv, m, d] that already
+        hold the context and the block's own entries. Returns [b, B, H]."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_q, self.d)).transpose(1, 2)
-        kb, vb = self.project_kv(x, cos, sin)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        k = torch.cat([ctx_k, kb], dim=2)
-        v = torch.cat([ctx_v, vb], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_q != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_q * self.d))
 
@@ -258,11 +262,7 @@ class DFlashModel(nn.Module):
             kb, vb = attn.project_kv(x, cos_b, sin_b)
             cache.keys[i, :, c0 + n:end] = kb[0]
             cache.values[i, :, c0 + n:end] = vb[0]
-            q = attn.q_norm(attn.q_proj(x).view(1, B, attn.n_q, attn.d)).transpose(1, 2)
-            q, _ = apply_rotary_pos_emb(q, q, cos_b, sin_b)
-            out = F.scaled_dot_product_attention(q, cache.keys[i, :, :end][None], cache.values[i, :, :end][None],
-                                                 enable_gqa=attn.n_q != attn.n_kv)
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(1, B, attn.n_q * attn.d))
+            h = h + attn.attend(x, cos_b, sin_b, cache.keys[i, :, :end][None], cache.values[i, :, :end][None])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         cache.length = c0 + n
         return self.norm(h)

@@ -18,7 +18,7 @@ from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.greedy_device import accept_greedy_device
 from engine.timing import StepClock
 from engine.tree_buffers import DeviceTree, TreeBufferPool
-from engine.verifier import VerifyOutput, accept_sample, verify, verify_batch
+from engine.verifier import VerifyOutput, accept_sample, verify_batch
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
@@ -363,11 +363,8 @@ class Engine:
             self._batch_buffers.append(TreeBufferPool(self.model.device))
         device_trees = {r: self._batch_buffers[i].load(plans[r][0], seqs[r].prefix_len) for i, r in enumerate(live)}
         clock.mark()
-        if len(live) == 1:
-            r = live[0]
-            verified = {r: verify(self.forward, self.pool, seqs[r].slot, device_trees[r], feature_layers,
-                                  backend=self.backend)}
-        elif live:
+        verified = {}
+        if live:
             outs = verify_batch(self.forward, self.pool, [seqs[r].slot for r in live],
                                 [device_trees[r] for r in live], feature_layers, backend=self.backend)
             verified = dict(zip(live, outs))

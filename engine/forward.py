@@ -19,6 +19,7 @@ logits agree to rounding) with:
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -90,31 +91,27 @@ class TargetForward:
             raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (silu only)")
         self.eps = float(first.input_layernorm.variance_epsilon)
         self.embed = dec.embed_tokens.weight
-        fused = []
+        # Per layer, (weight, bias) of the four linears: q/k/v and gate/up fused.
+        linears = []
         for layer in dec.layers:
             a, mlp = layer.self_attn, layer.mlp
-            qkv_b = None
-            if a.q_proj.bias is not None:
-                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            fused.append(dict(
-                qkv=(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
-                o=(a.o_proj.weight, a.o_proj.bias),
-                gate_up=(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None),
-                down=(mlp.down_proj.weight, None),
-                rest=layer))
+            qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            linears.append(((torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_b),
+                            (a.o_proj.weight, a.o_proj.bias),
+                            (torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None),
+                            (mlp.down_proj.weight, None)))
         if packed is None:
-            packed = choose_packing([f[k][0] for f in fused for k in ("qkv", "o", "gate_up", "down")])
+            packed = choose_packing([w for four in linears for w, _ in four])
         self.packed = bool(packed)
         self.layers = []
-        for f in fused:
-            layer = f["rest"]
+        for layer, four in zip(dec.layers, linears):
+            qkv, o, gate_up, down = (Linear(w, b, packed=self.packed) for w, b in four)
             qn = getattr(layer.self_attn, "q_norm", None)
             kn = getattr(layer.self_attn, "k_norm", None)
             self.layers.append(_Layer(
-                ln1=layer.input_layernorm.weight, qkv=Linear(*f["qkv"], packed=self.packed),
-                q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
-                o=Linear(*f["o"], packed=self.packed), ln2=layer.post_attention_layernorm.weight,
-                gate_up=Linear(*f["gate_up"], packed=self.packed), down=Linear(*f["down"], packed=self.packed)))
+                ln1=layer.input_layernorm.weight, qkv=qkv, q_norm=None if qn is None else qn.weight,
+                k_norm=None if kn is None else kn.weight, o=o, ln2=layer.post_attention_layernorm.weight,
+                gate_up=gate_up, down=down))
         self.intermediate = self.layers[0].gate_up.out_features // 2
         self.norm = dec.norm.weight
         self.lm_head = Linear(model.get_output_embeddings().weight, None, packed=self.packed)
@@ -167,12 +164,8 @@ class TargetForward:
         N = int(tokens.shape[0])
         if sum(s.n for s in segments) != N:
             raise ValueError(f"{N} tokens for segments of {sum(s.n for s in segments)} rows")
-        # Per segment, views of its slot for all layers, taken once: [L, h_kv, length, d].
-        views = []
-        for s in segments:
-            pool.check_fits(s.start + s.n)
-            end = s.start + s.n
-            views.append((pool.keys[:, s.slot, :, :end], pool.values[:, s.slot, :, :end]))
+        # Per segment, views of its slot for all layers, taken once (and checked before any write).
+        views = [pool.slot_views(s.slot, s.start + s.n) for s in segments]
         hq, hkv, d = self.hq, self.hkv, self.head_dim
         want = set(feature_layers)
         if any(not 0 <= j <= self.num_layers for j in want):
@@ -218,31 +211,23 @@ class TargetForward:
         if self.num_layers in want:
             kept[self.num_layers] = x
         if last_only:
-            if len(segments) == 1:
-                x = x[-1:]
-            else:
-                ends, row = [], 0
-                for s in segments:
-                    row += s.n
-                    ends.append(row - 1)
-                x = x.index_select(0, torch.tensor(ends, device=x.device))
+            ends = list(itertools.accumulate(s.n for s in segments))
+            x = x[-1:] if len(segments) == 1 else x[torch.tensor(ends, device=x.device) - 1]
         logits = self.lm_head(x)
         feats = torch.cat([kept[j] for j in feature_layers], dim=-1) if feature_layers else None
         return logits, feats
 
 
-_FORWARDS: dict[tuple[int, torch.dtype, torch.device], tuple[object, TargetForward]] = {}
+_FORWARDS: dict[int, tuple[object, TargetForward]] = {}
 _FORWARDS_LOCK = threading.Lock()
 
 
 def target_forward_for(model) -> TargetForward:
     """The TargetForward of `model` in its current dtype and device, built on first use (weights
     fused and packed once per model, dtype and device)."""
-    key = (id(model), model.dtype, model.device)
     with _FORWARDS_LOCK:
-        for k in [k for k, (m, _) in _FORWARDS.items() if k[0] == id(model) and (m is not model or k != key)]:
-            del _FORWARDS[k]  # a model that is gone, or this one before a dtype or device change
-        entry = _FORWARDS.get(key)
-        if entry is None:
-            entry = _FORWARDS[key] = (model, TargetForward(model))
+        entry = _FORWARDS.get(id(model))
+        # Rebuilt for a model that is gone (its id reused) or moved to another dtype or device.
+        if entry is None or entry[0] is not model or (entry[1].dtype, entry[1].device) != (model.dtype, model.device):
+            entry = _FORWARDS[id(model)] = (model, TargetForward(model))
         return entry[1]

@@ -50,12 +50,6 @@ class KVPool:
         """Slots not held by any sequence."""
         return len(self._free)
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of keys + values one cached token takes over all layers."""
-        L, _, h, _, d = self.keys.shape
-        return 2 * L * h * d * self.keys.element_size()
-
     def allocate(self) -> int:
         """Hand out a free slot index. Raises SlotsExhaustedError when none is free."""
         if not self._free:
@@ -86,24 +80,15 @@ class KVPool:
             raise ValueError(f"KV slot {slot} is not allocated")
         self._free.append(slot)
 
-    def check_fits(self, end: int) -> None:
-        """Raise CacheCapacityError when a slot would have to hold `end` tokens."""
+    def slot_views(self, slot: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [L, kv_heads, end, head_dim] of keys and values at positions [0, end) of `slot`,
+        every layer, no copy: a forward reads the prefix and writes its new rows through them.
+
+        Raises CacheCapacityError when the slot cannot hold `end` tokens (before anything is written).
+        """
         if end > self.capacity:
             raise CacheCapacityError(f"{end} tokens do not fit a KV slot of {self.capacity}")
-
-    def write(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [kv_heads, n, head_dim] at positions [start, start + n) of `slot`.
-
-        Raises CacheCapacityError past the capacity (nothing is written then).
-        """
-        end = start + k.shape[1]
-        self.check_fits(end)
-        self.keys[layer, slot, :, start:end] = k
-        self.values[layer, slot, :, start:end] = v
-
-    def view(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views [kv_heads, length, head_dim] of the first `length` positions of `slot` (no copy)."""
-        return self.keys[layer, slot, :, :length], self.values[layer, slot, :, :length]
+        return self.keys[:, slot, :, :end], self.values[:, slot, :, :end]
 
     def compact(self, slot: int, prefix_len: int, path: list[int], index: torch.Tensor | None = None) -> None:
         """Keep the tree rows `path` right behind the prefix of `slot`, in that order.

@@ -25,36 +25,25 @@ class VerifyOutput:
 
 
 @torch.inference_mode()
-def verify(forward: TargetForward, pool: KVPool, slot: int, device_tree: DeviceTree,
-           feature_layers: tuple[int, ...], backend: str = "sdpa") -> VerifyOutput:
-    """Run the target once over all tree nodes on top of the slot's cached prefix.
-
-    The slot holds exactly device_tree.prefix_len committed tokens; the call writes the n
-    nodes' keys and values behind them (keep the accepted ones with `KVPool.compact`).
-    Positions are prefix_len + depth; node i sees the prefix, itself and its ancestors
-    (docs/method.md, section 5). A single node is a plain causal step without a mask.
-    device_tree: the tree loaded on the model's device (engine.tree_buffers).
-    Raises CacheCapacityError (engine.kv_cache) when the tree does not fit the slot.
-    """
-    n = device_tree.size
-    segment = Segment(slot, device_tree.prefix_len, n, device_tree.attention() if n > 1 else None)
-    logits, feats = forward(pool, device_tree.tokens, device_tree.position_ids[0], [segment], feature_layers,
-                            backend=backend)
-    return VerifyOutput(logits=logits, features=feats)
-
-
-@torch.inference_mode()
 def verify_batch(forward: TargetForward, pool: KVPool, slots: list[int], device_trees: list[DeviceTree],
                  feature_layers: tuple[int, ...], backend: str = "sdpa") -> list[VerifyOutput]:
-    """`verify` for several sequences in one forward: tree r over slot slots[r].
+    """Run the target once over the nodes of every tree, tree r on top of slot slots[r].
 
-    Every tree attends to its own slot's prefix and its own ancestors only. Returns one
-    VerifyOutput per tree (logits [n_r, V], features [n_r, F] or None), views of the batch's.
+    Each slot holds exactly device_trees[r].prefix_len committed tokens; the call writes the
+    tree's nodes behind them (keep the accepted ones with `KVPool.compact`). Positions are
+    prefix_len + depth; node i sees its own slot's prefix, itself and its ancestors
+    (docs/method.md, section 5), nothing of another tree. A one-node tree is a plain causal
+    step without a mask. device_trees: engine.tree_buffers, on the model's device.
+    Returns one VerifyOutput per tree (logits [n_r, V], features [n_r, F] or None), views of
+    the batch's. Raises CacheCapacityError (engine.kv_cache) when a tree does not fit its slot.
     """
     segments = [Segment(slot, dt.prefix_len, dt.size, dt.attention() if dt.size > 1 else None)
                 for slot, dt in zip(slots, device_trees)]
-    tokens = torch.cat([dt.tokens for dt in device_trees])
-    positions = torch.cat([dt.position_ids[0] for dt in device_trees])
+    if len(device_trees) == 1:
+        tokens, positions = device_trees[0].tokens, device_trees[0].position_ids[0]
+    else:
+        tokens = torch.cat([dt.tokens for dt in device_trees])
+        positions = torch.cat([dt.position_ids[0] for dt in device_trees])
     logits, feats = forward(pool, tokens, positions, segments, feature_layers, backend=backend)
     outs, row = [], 0
     for dt in device_trees:
@@ -62,6 +51,12 @@ def verify_batch(forward: TargetForward, pool: KVPool, slots: list[int], device_
         outs.append(VerifyOutput(logits=logits[row:end], features=None if feats is None else feats[row:end]))
         row = end
     return outs
+
+
+def verify(forward: TargetForward, pool: KVPool, slot: int, device_tree: DeviceTree,
+           feature_layers: tuple[int, ...], backend: str = "sdpa") -> VerifyOutput:
+    """`verify_batch` for one tree over `slot` (what the calibration times)."""
+    return verify_batch(forward, pool, [slot], [device_tree], feature_layers, backend)[0]
 
 
 def accept_sample(

@@ -28,10 +28,12 @@ def test_slots_are_handed_out_once_and_given_back():
 def test_growth_keeps_every_held_slot():
     pool = KVPool(2, 1, 1, 8, 4)
     s = pool.allocate()
-    pool.write(1, s, 0, torch.ones(1, 3, 4), 2 * torch.ones(1, 3, 4))
+    keys, values = pool.slot_views(s, 3)
+    keys[1].copy_(torch.ones(1, 3, 4))
+    values[1].copy_(2 * torch.ones(1, 3, 4))
     pool.grow(3)
     assert pool.num_slots == 3 and pool.free_slots == 2
-    k, v = pool.view(1, s, 3)
+    k, v = (t[1] for t in pool.slot_views(s, 3))
     assert torch.equal(k, torch.ones(1, 3, 4)) and torch.equal(v, 2 * torch.ones(1, 3, 4))
     assert {pool.allocate(), pool.allocate()} == {1, 2}
     with pytest.raises(ValueError, match="shrink"):
@@ -42,8 +44,8 @@ def test_a_write_past_the_capacity_is_refused_and_writes_nothing():
     pool = KVPool(1, 2, 1, 8, 2)
     pool.keys.zero_()
     with pytest.raises(CacheCapacityError, match="9 tokens"):
-        pool.write(0, 0, 6, torch.ones(1, 3, 2), torch.ones(1, 3, 2))
-    pool.write(0, 0, 5, torch.ones(1, 3, 2), torch.ones(1, 3, 2))  # exactly to the end
+        pool.slot_views(0, 6 + 3)
+    pool.slot_views(0, 5 + 3)[0][0, :, 5:].copy_(torch.ones(1, 3, 2))  # exactly to the end
     assert pool.keys[0, 0, :, 5:].eq(1).all() and not pool.keys[0, 1].any() and not pool.keys[0, 0, :, :5].any()
 
 
