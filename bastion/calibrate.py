@@ -56,10 +56,9 @@ def run(args) -> int:
     import torch
 
     from controller.calibration import calibrate, report
-    from bastion.factory import default_drafter_for, load_drafter
+    from bastion.factory import calibration_timers, default_drafter_for, load_drafter
     from bastion.settings import settings_from_args
     from engine.loader import load_target
-    from engine.timing import verify_timer
 
     st = settings_from_args(args)
     if st.threads:
@@ -67,10 +66,10 @@ def run(args) -> int:
     target = load_target(st.target, st.dtype, st.device)
     # Time the same forward the server runs: with the default drafter's hidden-state outputs.
     drafter = load_drafter(st.drafter if st.drafter is not None else default_drafter_for(target), target)
-    layers = drafter.feature_layers if drafter is not None else ()
-    result = calibrate(verify_timer(target.model, layers), target.config, target.dtype, device=st.device,
+    measure, measure_batch = calibration_timers(target, drafter)
+    result = calibrate(measure, target.config, target.dtype, device=st.device,
                        model_name=target.name, attn_backend="sdpa", use_cache=not args.force,
-                       max_context=target.max_context, progress=True)
+                       max_context=target.max_context, progress=True, measure_batch_fn=measure_batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = None

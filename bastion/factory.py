@@ -114,21 +114,35 @@ def controller_for(mode: str, target: Target, drafter: Drafter | None, settings:
     return make_controller("tree", budget if budget is not None else settings.budget)
 
 
+def calibration_timers(target: Target, drafter: Drafter | None, backend: str = "sdpa"):
+    """(measure(s, c), measure_batch(b, n, c)): the calibration's timers of one and of batched
+    verification forwards, through the engine's own path with the drafter's feature layers
+    (engine.timing.verify_timer, batch_verify_timer over controller.calibration.BATCH_GRID)."""
+    from controller.calibration import BATCH_GRID
+    from engine.timing import batch_verify_timer, verify_timer
+
+    layers = drafter.feature_layers if drafter is not None else ()
+    capacity = max(BATCH_GRID.c_values) + max(BATCH_GRID.n_values)
+    return (verify_timer(target.model, layers, backend=backend),
+            batch_verify_timer(target.model, layers, backend=backend, capacity=capacity,
+                               max_batch=max(BATCH_GRID.b_values)))
+
+
 def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True,
                             backend: str = "sdpa", **kwargs):
     """Calibrate (or load the cached calibration) and build the adaptive controller for `target`.
 
-    The latency grid is timed through the engine's own verification path (tree mask,
-    hidden-state outputs), so the fit describes what each step really runs. kwargs go to
+    The latency grid, single and batched, is timed through the engine's own verification path
+    (tree mask, hidden-state outputs), so the fit describes what each step really runs. kwargs go to
     the BudgetController constructor; the online surrogate correction is on unless
     surrogate_correction=False is passed (it raised tokens/s on every dataset, docs/controller.md).
     """
     kwargs.setdefault("surrogate_correction", True)
     from controller.budget import BudgetController
-    from engine.timing import verify_timer
 
+    measure, measure_batch = calibration_timers(target, drafter, backend)
     return BudgetController.from_target(
-        target.config, target.dtype, verify_timer(target.model, drafter.feature_layers, backend=backend),
+        target.config, target.dtype, measure, measure_batch_fn=measure_batch,
         device=settings.device, model_name=target.name, attn_backend=backend,
         max_context=target.max_context, progress=progress, max_depth=drafter.max_depth, **kwargs,
     )

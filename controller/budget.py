@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 
-from controller.calibration import CalibrationGrid, CalibrationResult, MeasureFn, calibrate
+from controller.calibration import BatchMeasureFn, CalibrationGrid, CalibrationResult, MeasureFn, calibrate
 from controller.gate import SpeculationGate
 from controller.latency_model import LatencyModel
 from controller.metrics import TABLE_S, controller_metrics
-from controller.policy import AdaptivePolicy, PolicySettings, default_settings
+from controller.policy import AdaptivePolicy, BatchAdaptivePolicy, PolicySettings, default_settings
 from controller.profiler import OnlineProfiler, RunningMean
 from controller.surrogate import SurrogateCalibrator, depth_mass
 from drafting.proposal import Proposal
@@ -47,7 +47,12 @@ class BudgetController:
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: a SpeculationGate (default one). table_every: steps between updates
-    of the latency-table and online-error gauges.
+    of the latency-table and online-error gauges. seq_overhead: calibrated seconds a batched
+    forward costs per sequence beyond the first (CalibrationResult.seq_overhead), refined online
+    by batched steps.
+    Batched steps (docs/method.md, section 8) get a global policy from `batch_policy`, are
+    judged by one gate per batch-size class (1, 2, 3-4, 5-8, ...: whether drafting pays
+    depends on how loaded the forward is) and are recorded by `observe_batch`.
     """
 
     def __init__(self, model: LatencyModel, settings: PolicySettings | None = None, *,
@@ -55,7 +60,7 @@ class BudgetController:
                  surrogate_correction: bool = False, max_depth: int = 15, t_draft_init: float = 0.0,
                  t_other_init: float = 0.0, refit_threshold: float = 0.15, refit_window: int = 64,
                  history: int = 512, gate: SpeculationGate | None = None, table_every: int = 16,
-                 heldout_mape: float | None = None):
+                 heldout_mape: float | None = None, seq_overhead: float = 0.0):
         self.settings = settings or default_settings("cpu")
         self.metrics = controller_metrics(registry)
         self.profiler = OnlineProfiler(model, calibration_points, history=history, window=refit_window,
@@ -63,6 +68,15 @@ class BudgetController:
         self.profiler.t_draft.value = t_draft_init
         self.profiler.t_other.value = t_other_init
         self.gate = gate or SpeculationGate()
+        self._gate_proto = (self.gate.alpha, self.gate.threshold, self.gate.probe_steps, self.gate.reprobe_steps,
+                            self.gate.base_backoff, self.gate.max_backoff)
+        self._batch_gates: dict[int, SpeculationGate] = {}
+        self.seq_overhead = RunningMean(0.1, max(float(seq_overhead), 0.0))
+        self.seq_overhead.count = 1  # the calibrated value is the first sample: online ones refine it
+        self._batch_draft: dict[int, RunningMean] = {}
+        self._batch_other: dict[int, RunningMean] = {}
+        self._batch_plain: dict[int, RunningMean] = {}  # measured seconds of a roots-only batched step
+        self.batch_steps = 0
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         self._ar_overhead = RunningMean(0.1)
         self.table_every = table_every
@@ -82,6 +96,7 @@ class BudgetController:
     def from_calibration(cls, result: CalibrationResult, settings: PolicySettings | None = None,
                          device: torch.device | str = "cpu", **kwargs) -> "BudgetController":
         """Controller from a CalibrationResult; settings default to the device's (CPU_SETTINGS / GPU_SETTINGS)."""
+        kwargs.setdefault("seq_overhead", result.seq_overhead)
         return cls(result.model(), settings or default_settings(device), calibration_points=result.points,
                    heldout_mape=result.heldout_mape, **kwargs)
 
@@ -90,16 +105,19 @@ class BudgetController:
                     model_name: str | None = None, attn_backend: str | None = None,
                     cache_dir: Path | str | None = None, grid: CalibrationGrid | None = None,
                     max_context: int | None = None, progress: bool = True, settings: PolicySettings | None = None,
-                    **kwargs) -> "BudgetController":
+                    measure_batch_fn: BatchMeasureFn | None = None, **kwargs) -> "BudgetController":
         """Calibrate (or load the matching cache) for a loaded target, then build the controller.
 
         config: target.model.config; dtype: target.dtype; measure_fn(s, c) -> seconds of one
-        target forward (for example engine.timing.verify_timer). Other keywords go to
+        target forward (for example engine.timing.verify_timer); measure_batch_fn(b, n, c) ->
+        seconds of one batched forward (engine.timing.batch_verify_timer; None: no batched points,
+        the per-sequence overhead starts at 0 and is learnt online). Other keywords go to
         `calibrate` (model_name, attn_backend, cache_dir, grid, max_context, progress) or to
         the constructor (kwargs). Raises ValueError for an unsupported config or a failed fit.
         """
         result = calibrate(measure_fn, config, dtype, grid, model_name=model_name, device=device,
-                           attn_backend=attn_backend, cache_dir=cache_dir, max_context=max_context, progress=progress)
+                           attn_backend=attn_backend, cache_dir=cache_dir, max_context=max_context, progress=progress,
+                           measure_batch_fn=measure_batch_fn)
         controller = cls.from_calibration(result, settings, device, **kwargs)
         controller.calibration = result
         return controller
@@ -135,9 +153,89 @@ class BudgetController:
         return AdaptivePolicy(self.verify_costs(context_len), self.t_draft + self.t_other,
                               st.min_nodes, st.max_nodes, st.bucket, st.top_k)
 
-    def should_draft(self) -> bool:
-        """False when drafting currently costs more than it buys: decode this step plainly."""
-        return self.gate.should_draft()
+    def should_draft(self, batch_size: int = 1) -> bool:
+        """False when drafting currently costs more than it buys at this batch size: decode this step plainly."""
+        return self.gate_for(batch_size).should_draft()
+
+    def gate_for(self, batch_size: int) -> SpeculationGate:
+        """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of batch_size."""
+        if batch_size <= 1:
+            return self.gate
+        key = 1 << (int(batch_size) - 1).bit_length()
+        gate = self._batch_gates.get(key)
+        if gate is None:
+            gate = self._batch_gates[key] = SpeculationGate(*self._gate_proto)
+        return gate
+
+    # ---- batched steps ----------------------------------------------------------------
+
+    def _batch_mean(self, table: dict[int, RunningMean], b: int, fallback: float) -> float:
+        m = table.get(b)
+        return fallback if m is None or m.count == 0 else m.value
+
+    def batch_fixed_seconds(self, b: int) -> float:
+        """T_draft(b) + T_other(b), seconds: measured at this batch size, else the single-sequence values."""
+        return self._batch_mean(self._batch_draft, b, self.t_draft) + self._batch_mean(self._batch_other, b,
+                                                                                         self.t_other)
+
+    def batch_costs(self, b: int, context_total: int) -> list[float]:
+        """[max_nodes + 1] C_b(N) seconds for a batch of b sequences caching context_total tokens in all."""
+        return self.model.batch_costs(self.settings.max_nodes, b, context_total, self.seq_overhead.value)
+
+    def batch_policy(self, contexts: Sequence[int]) -> BatchAdaptivePolicy:
+        """The global stopping policy of a batched step over sequences caching `contexts` tokens
+        (docs/method.md, section 8): at most settings.max_nodes nodes in all, and per tree."""
+        b = len(contexts)
+        st = self.settings
+        if b > st.max_nodes:
+            raise ValueError(f"a batch of {b} sequences exceeds the node cap of {st.max_nodes}")
+        return BatchAdaptivePolicy(self.batch_costs(b, int(sum(contexts))), self.batch_fixed_seconds(b),
+                                   st.max_nodes, st.max_nodes, st.top_k)
+
+    def observe_batch(self, stats: Sequence, trees: Sequence) -> None:
+        """Record a finished batched step (b >= 2 sequences in one forward).
+
+        stats: each sequence's engine.accounting.StepStats (phase times are the batch's, shared);
+        trees: their verified Trees. A roots-only step refines the per-sequence overhead of the
+        batched cost (measured verify time minus the roofline's C_b, per extra sequence) and the
+        measured plain step time at this batch size; a drafted one T_draft(b) and T_other(b) and
+        feeds the batch-size class's gate with its realised gain over a plain batched step
+        (measured where plain steps ran at this size, else predicted). Drafted and cheap trees
+        go to the surrogate check.
+        """
+        b = len(stats)
+        if b < 2:
+            raise ValueError("observe_batch records steps of two sequences or more; use observe")
+        first = stats[0]
+        n = sum(st.tree_size for st in stats)
+        c_total = sum(st.context_len for st in stats)
+        model = self.model
+        base = model.predict_batch(n, b, c_total)
+        if n == b:  # roots only: what the roofline misses is the per-sequence work, not tree size
+            self.seq_overhead.add(max((first.verify_s - base) / (b - 1), 0.0))
+            self._batch_plain.setdefault(b, RunningMean(0.2)).add(first.verify_s + first.other_s)
+        predicted = base + self.seq_overhead.value * (b - 1)
+        drafted = any(st.drafted for st in stats)
+        gate = self.gate_for(b)
+        if drafted:
+            self._batch_draft.setdefault(b, RunningMean(0.3)).add(first.draft_s)
+            self._batch_other.setdefault(b, RunningMean(0.3)).add(first.other_s)
+            predicted_plain = (model.predict_batch(b, b, c_total) + self.seq_overhead.value * (b - 1)
+                               + self._ar_overhead.value)
+            plain = self._batch_mean(self._batch_plain, b, predicted_plain)
+            step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
+            # Realised tokens/s over a plain batched step's (b tokens per plain step).
+            gate.record(True, sum(st.accepted for st in stats) * plain / (b * step_s))
+        else:
+            gate.record(False)
+        for st, tree in zip(stats, trees):
+            if st.drafted or st.cheap:
+                self.surrogate.record(st.a_hat, st.accepted,
+                                      depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth))
+            kind = "draft" if st.drafted else "cheap" if st.cheap else "plain"
+            self.step_kinds[kind] += 1
+        self.batch_steps += 1
+        self.metrics.observe_step(first.verify_s, predicted, self.t_draft, self.t_other, gate.should_draft())
 
     def correct(self, proposal: Proposal) -> Proposal:
         """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity unless enabled)."""
@@ -211,7 +309,8 @@ class BudgetController:
             "t_draft_s": self.t_draft, "t_other_s": self.t_other,
             "latency_params": model.params.to_dict(), "residual": [list(r) for r in model.residual],
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
-            "surrogate": sur,
+            "surrogate": sur, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
+            "batch_gate_pauses": {str(k): g.switches_off for k, g in sorted(self._batch_gates.items())},
         }
 
     def update_table(self, context_len: int) -> None:

@@ -32,9 +32,11 @@ from controller.latency_model import LatencyModel, LatencyParams, fit_model, map
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the cached JSON layout or the fitting method changes.
-CACHE_FORMAT = 3  # 2: the per-s residual of the latency model; 3: timed through engine.forward
+CACHE_FORMAT = 4  # 2: the per-s residual; 3: timed through engine.forward; 4: the batched cost
 
 MeasureFn = Callable[[int, int], float]
+#: measure(b, n, c) -> seconds of one forward verifying b trees of n nodes, each over c cached tokens.
+BatchMeasureFn = Callable[[int, int, int], float]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,27 @@ NOISY_MAPE = 0.5
 OUTLIER_REL_ERROR = 0.25
 
 
+@dataclass(frozen=True)
+class BatchGrid:
+    """Grid of batched forwards: b sequences of n tree tokens each, each over c cached tokens
+    (docs/method.md, section 8), iterated c-major."""
+
+    b_values: tuple[int, ...]
+    n_values: tuple[int, ...]
+    c_values: tuple[int, ...]
+
+    def points(self, max_context: int | None = None) -> list[tuple[int, int, int]]:
+        """[(b, n, c)] in c-major order, dropping points with n + c > max_context."""
+        return [(b, n, c) for c in self.c_values for b in self.b_values for n in self.n_values
+                if max_context is None or n + c <= max_context]
+
+
+#: Batched points on any device: 2, 4 and 8 sequences of 1 and 4 tree tokens at two contexts.
+BATCH_GRID = BatchGrid((2, 4, 8), (1, 4), (64, 512))
+#: Seconds of timed batched forwards allowed on CPU.
+CPU_BATCH_BUDGET_S = 12.0
+
+
 def default_grid(device: torch.device | str) -> CalibrationGrid:
     """CPU_GRID on a CPU, GPU_GRID otherwise."""
     return CPU_GRID if torch.device(device).type == "cpu" else GPU_GRID
@@ -86,6 +109,9 @@ class CalibrationResult:
     fit_mape: error of the final fit (all points) on all points. elapsed_s: wall seconds.
     residual: the latency model's per-s residual ((s, log r), ...), see controller.latency_model.
     heldout_mape_roofline: held-out error of the four-parameter roofline alone (no residual).
+    batch_points: [(b, n, c, median seconds)] of batched forwards (b trees of n nodes over c
+    cached tokens each); seq_overhead: seconds per sequence beyond the first that the batched
+    cost adds to the roofline (`fit_seq_overhead`); batch_mape: the batched model's error on them.
     """
 
     key: dict
@@ -99,6 +125,9 @@ class CalibrationResult:
     elapsed_s: float = 0.0
     residual: tuple = ()
     heldout_mape_roofline: float = float("nan")
+    batch_points: list[tuple[int, int, int, float]] = field(default_factory=list)
+    seq_overhead: float = 0.0
+    batch_mape: float = float("nan")
     from_cache: bool = field(default=False, compare=False)
 
     def model(self) -> LatencyModel:
@@ -112,6 +141,8 @@ class CalibrationResult:
             "heldout": self.heldout, "heldout_mape": self.heldout_mape, "fit_mape": self.fit_mape,
             "elapsed_s": self.elapsed_s, "residual": [list(r) for r in self.residual],
             "heldout_mape_roofline": self.heldout_mape_roofline,
+            "batch_points": [list(p) for p in self.batch_points], "seq_overhead": self.seq_overhead,
+            "batch_mape": self.batch_mape,
         }
 
     @classmethod
@@ -124,18 +155,25 @@ class CalibrationResult:
             heldout=[int(i) for i in d["heldout"]], heldout_mape=float(d["heldout_mape"]),
             fit_mape=float(d["fit_mape"]), elapsed_s=float(d.get("elapsed_s", 0.0)),
             residual=tuple((float(k), float(v)) for k, v in d.get("residual", [])),
-            heldout_mape_roofline=float(d.get("heldout_mape_roofline", float("nan"))), from_cache=True,
+            heldout_mape_roofline=float(d.get("heldout_mape_roofline", float("nan"))),
+            batch_points=[(int(b), int(n), int(c), float(t)) for b, n, c, t in d.get("batch_points", [])],
+            seq_overhead=float(d.get("seq_overhead", 0.0)), batch_mape=float(d.get("batch_mape", float("nan"))),
+            from_cache=True,
         )
 
 
 def cache_key(model_name: str, device: str, dtype: torch.dtype | str, attn_backend: str,
-              shape: ModelShape, grid: CalibrationGrid) -> dict:
+              shape: ModelShape, grid: CalibrationGrid, batch_grid: BatchGrid | None = None) -> dict:
     """The identity a cached calibration must match exactly (torch version included)."""
-    return {
+    key = {
         "format": CACHE_FORMAT, "device": device, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
         "attn_backend": attn_backend, "torch": torch.__version__, "shape": shape.to_dict(),
         "grid": {"s": list(grid.s_values), "c": list(grid.c_values)},
     }
+    if batch_grid is not None:
+        key["batch_grid"] = {"b": list(batch_grid.b_values), "n": list(batch_grid.n_values),
+                             "c": list(batch_grid.c_values)}
+    return key
 
 
 def _slug(text: str) -> str:
@@ -250,6 +288,46 @@ def fit_result(key: dict, shape: ModelShape, ceilings: Ceilings, points: list[tu
                              heldout_err, fit_err, elapsed_s, model.residual, roof_err)
 
 
+def measure_batch_grid(measure_fn: BatchMeasureFn, points: list[tuple[int, int, int]], repeats: int = 3,
+                       time_budget_s: float | None = None, progress: bool = True
+                       ) -> list[tuple[int, int, int, float]]:
+    """Median seconds per (b, n, c) point: one untimed call when c changes, then up to `repeats`
+    timed calls (at least one; fewer when a point exceeds its share of time_budget_s).
+    Returns [(b, n, c, median seconds)]."""
+    out: list[tuple[int, int, int, float]] = []
+    start = time.perf_counter()
+    bar = tqdm(points, desc="calibrating batched verify", unit="pt", disable=not progress, leave=False)
+    for i, (b, n, c) in enumerate(bar):
+        point_start = time.perf_counter()
+        share = None if time_budget_s is None else max(time_budget_s - (point_start - start), 0.0) / (len(points) - i)
+        if i == 0 or c != points[i - 1][2]:
+            measure_fn(b, n, c)
+        runs: list[float] = []
+        while len(runs) < repeats:
+            runs.append(float(measure_fn(b, n, c)))
+            if share is not None and time.perf_counter() - point_start > share:
+                break
+        out.append((b, n, c, statistics.median(runs)))
+    return out
+
+
+def fit_seq_overhead(model: LatencyModel, points: list[tuple[int, int, int, float]]) -> tuple[float, float]:
+    """Per-sequence overhead of a batched forward and the batched model's error.
+
+    model: the single-sequence LatencyModel; points: [(b, n, c, seconds)] with b >= 2 trees of
+    n nodes over c cached tokens each. The overhead is the median over points of
+    (measured - C_b(b n; b c)) / (b - 1), not below 0 (docs/method.md, section 8).
+    Returns (seq_overhead seconds, MAPE of `predict_batch` with it, as a fraction; nan without points).
+    """
+    pts = [p for p in points if p[0] >= 2]
+    if not pts:
+        return 0.0, float("nan")
+    extra = [(t - model.predict_batch(b * n, b, b * c)) / (b - 1) for b, n, c, t in pts]
+    overhead = max(float(np.median(extra)), 0.0)
+    pred = [model.predict_batch(b * n, b, b * c, overhead) for b, n, c, _ in pts]
+    return overhead, mape([t for *_, t in pts], pred)
+
+
 def remeasure_outliers(measure_fn: MeasureFn, shape: ModelShape, ceilings: Ceilings,
                        points: list[tuple[int, int, float]], warmup: int, repeats: int,
                        time_budget_s: float | None, progress: bool = True) -> tuple[list[tuple[int, int, float]], int]:
@@ -278,7 +356,9 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
               model_name: str | None = None, device: torch.device | str = "cpu", attn_backend: str | None = None,
               cache_dir: Path | str | None = None, use_cache: bool = True, ceilings: Ceilings | None = None,
               warmup: int = 3, repeats: int = 5, time_budget_s: float | None = -1.0,
-              max_context: int | None = None, progress: bool = True) -> CalibrationResult:
+              max_context: int | None = None, progress: bool = True,
+              measure_batch_fn: BatchMeasureFn | None = None, batch_grid: BatchGrid | None = None
+              ) -> CalibrationResult:
     """Calibrated latency model for the target described by `config`, from the cache when it matches.
 
     measure_fn(s, c) -> seconds of one target forward with s new tokens over c cached tokens.
@@ -290,14 +370,20 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
     first (robust) fit misses by over OUTLIER_REL_ERROR are timed once more (CPU: within
     CPU_REMEASURE_BUDGET_S) and the faster median kept.
     max_context: drop grid points with s + c above it.
+    measure_batch_fn(b, n, c) -> seconds of one forward over b trees of n nodes, each over c
+    cached tokens: with it, `batch_grid` (default BATCH_GRID; CPU: within CPU_BATCH_BUDGET_S)
+    is timed too and the batched cost's per-sequence overhead fitted (`fit_seq_overhead`).
     Raises ValueError for an unsupported config or a failed fit.
     """
     shape = ModelShape.from_config(config, dtype)
     grid = grid or default_grid(device)
+    if measure_batch_fn is not None:
+        batch_grid = batch_grid or BATCH_GRID
     model_name = model_name or getattr(config, "name_or_path", "") or getattr(config, "_name_or_path", "") or "unknown"
     attn_backend = attn_backend or getattr(config, "_attn_implementation", None) or "default"
     name = device_name(device)
-    key = cache_key(str(model_name), name, dtype, str(attn_backend), shape, grid)
+    key = cache_key(str(model_name), name, dtype, str(attn_backend), shape, grid,
+                    batch_grid if measure_batch_fn is not None else None)
     path = cache_path(cache_dir if cache_dir is not None else default_cache_dir(), key)
     if use_cache:
         cached = load_cached(path, key)
@@ -319,6 +405,13 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
         points, _ = remeasure_outliers(measure_fn, shape, ceilings, points, warmup, repeats, remeasure_budget,
                                        progress)
     result = fit_result(key, shape, ceilings, points, time.perf_counter() - t0)
+    if measure_batch_fn is not None:
+        on_cpu = torch.device(device).type == "cpu"
+        result.batch_points = measure_batch_grid(measure_batch_fn, batch_grid.points(max_context),
+                                                 time_budget_s=CPU_BATCH_BUDGET_S if on_cpu else None,
+                                                 progress=progress)
+        result.seq_overhead, result.batch_mape = fit_seq_overhead(result.model(), result.batch_points)
+        result.elapsed_s = time.perf_counter() - t0
     log.info("calibrated %s on %s in %.1f s: %s, held-out MAPE %.1f %%", model_name, name, result.elapsed_s,
              result.params, 100 * result.heldout_mape)
     if result.heldout_mape > NOISY_MAPE:
@@ -363,6 +456,13 @@ def report(result: CalibrationResult, png_path: Path | str | None = None, file: 
         pred = model.predict(s, c)
         lines.append(f"{s:>6} {c:>6} {t * 1e3:>12.3f} {pred * 1e3:>13.3f} {100 * (pred - t) / t:>+8.2f}  "
                      f"{model.bound(s, c)}{' *' if i in held else ''}")
+    if result.batch_points:
+        lines.append(f"batched forwards: per-sequence overhead {result.seq_overhead * 1e3:.3f} ms, "
+                     f"MAPE {100 * result.batch_mape:.2f} %")
+        lines.append(f"{'b':>6} {'n/seq':>6} {'c/seq':>6} {'measured ms':>12} {'predicted ms':>13} {'error %':>8}")
+        for b, n, c, t in result.batch_points:
+            pred = model.predict_batch(b * n, b, b * c, result.seq_overhead)
+            lines.append(f"{b:>6} {n:>6} {c:>6} {t * 1e3:>12.3f} {pred * 1e3:>13.3f} {100 * (pred - t) / t:>+8.2f}")
     if extra:
         lines.append(extra)
     text = "\n".join(lines)

@@ -104,6 +104,34 @@ class LatencyModel:
             out = out * self.residual_factor(np.broadcast_to(np.asarray(s, dtype=np.float64), out.shape))
         return float(out[0]) if scalar else out
 
+    def predict_batch(self, n, b: int, c_total: int, seq_overhead: float = 0.0):
+        """C_b(N; c_1..c_b) in seconds: one forward verifying n tree tokens in all for b sequences
+        that cache c_total tokens in all (docs/method.md, section 8).
+
+        Weights are read once, KV bytes add up over the sequences (Bytes(n, c_total)); the
+        attention FLOPs sum_r n_r (c_r + n_r) are taken at equal trees and contexts, which is
+        FLOPs(n, c_total / b). The residual is read at n (the matmuls see n rows); seq_overhead
+        seconds are added per sequence beyond the first (per-sequence attention work). With
+        b = 1 this is `predict(n, c_total)`. n: int or array; returns float or [N] array.
+        Raises ValueError when b < 1.
+        """
+        if b < 1:
+            raise ValueError(f"a batch needs b >= 1 sequences, got {b}")
+        scalar = np.ndim(n) == 0
+        n_arr = np.atleast_1d(np.asarray(n, dtype=np.float64))
+        x = np.stack([self.shape.flops(n_arr, np.full_like(n_arr, c_total / b)) / self.ceilings.flops_per_s,
+                      self.shape.bytes(n_arr, np.full_like(n_arr, c_total)) / self.ceilings.bytes_per_s])
+        out = _roofline(x, *self.params.as_tuple()) * self.residual_factor(n_arr) + seq_overhead * (b - 1)
+        return float(out[0]) if scalar else out
+
+    def batch_costs(self, max_n: int, b: int, c_total: int, seq_overhead: float = 0.0) -> list[float]:
+        """[max_n + 1] Python list: entry n = C_b(n; ...) seconds (`predict_batch`) for n = b..max_n;
+        entries below b (a batch verifies at least its b roots) are 0.0."""
+        if max_n < b:
+            return [0.0] * (max_n + 1)
+        n = np.arange(b, max_n + 1)
+        return [0.0] * b + self.predict_batch(n, b, c_total, seq_overhead).tolist()
+
     def verify_costs(self, max_n: int, c: int) -> list[float]:
         """[max_n + 1] Python list: entry n = C(n, c) seconds for n = 1..max_n; entry 0 = 0.0.
 

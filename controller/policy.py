@@ -103,3 +103,42 @@ class AdaptivePolicy:
         if self.bucket <= 1:
             return n
         return max((n // self.bucket) * self.bucket, min(self.min_nodes, n), 1)
+
+
+class BatchAdaptivePolicy:
+    """One batched step's global stopping policy for engine.tree.build_trees (docs/method.md, section 8).
+
+    costs: Python list, costs[N] = C_b(N) predicted verify seconds of N tree tokens in all
+    for this batch (N = b..max_nodes; LatencyModel.batch_costs). fixed_s: T_draft(b) +
+    T_other(b) seconds. The globally best candidate, of path score p, joins a batch of N
+    nodes whose trees' surrogates sum to a_hat while
+    p * (fixed_s + C_b(N)) > a_hat * (C_b(N + 1) - C_b(N)).
+    max_nodes: cap on the batch's nodes, roots included; max_nodes_per_tree: cap per tree.
+    """
+
+    __slots__ = ("top_k", "max_nodes", "max_nodes_per_tree", "_costs", "_fixed")
+
+    def __init__(self, costs: Sequence[float], fixed_s: float, max_nodes: int | None = None,
+                 max_nodes_per_tree: int | None = None, top_k: int | None = 64):
+        max_nodes = len(costs) - 1 if max_nodes is None else max_nodes
+        if max_nodes > len(costs) - 1:
+            raise ValueError(f"costs cover N <= {len(costs) - 1}, max_nodes is {max_nodes}")
+        self._costs = list(costs)
+        self._fixed = float(fixed_s)
+        self.max_nodes = max_nodes
+        self.max_nodes_per_tree = max_nodes if max_nodes_per_tree is None else max_nodes_per_tree
+        self.top_k = top_k
+
+    def cost(self, n: int) -> float:
+        """C_b(N), predicted verify seconds of N tree tokens in all."""
+        return self._costs[n]
+
+    def theta(self, n: int, a_hat: float) -> float:
+        """Batch throughput surrogate sum(A_hat_r) / (T_draft + T_other + C_b(N)), tokens per second."""
+        return a_hat / (self._fixed + self._costs[n])
+
+    def should_add(self, n: int, a_hat: float, p: float) -> bool:
+        if n >= self.max_nodes:
+            return False
+        c = self._costs
+        return p * (self._fixed + c[n]) > a_hat * (c[n + 1] - c[n])

@@ -68,3 +68,20 @@ class Drafter(ABC):
         Returns a Proposal (drafting.proposal): Marginals with D <= max_depth rows, or a
         ChildSource / CandidateTree whose nodes lie at depth <= max_depth.
         """
+
+    def propose_batch(self, states: list[Any], roots: list[int], max_depths: list[int]
+                      ) -> list[Proposal | Exception]:
+        """`propose` for several requests of one batched step, in order: each entry is that
+        request's Proposal or the exception its own proposal raised (default: one by one).
+
+        A drafter whose pass batches (DFlash: one forward over every block) overrides it; if its
+        shared pass raises, it must leave the states as they were, so the caller can retry the
+        requests one by one with `propose` and find the one at fault.
+        """
+        out: list[Proposal | Exception] = []
+        for st, root, d in zip(states, roots, max_depths):
+            try:
+                out.append(self.propose(st, root, d))
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                out.append(e)
+        return out

@@ -16,6 +16,7 @@ Optional extensions (absent from published z-lab checkpoints, which load unchang
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -161,10 +162,20 @@ class DFlashAttention(nn.Module):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The block's queries (from x [b, B, H]) over keys/values k, v [b, n_kv, m, d] that already
         hold the context and the block's own entries. Returns [b, B, H]."""
+        out = F.scaled_dot_product_attention(self.queries(x, cos, sin), k, v, attn_mask=attn_mask,
+                                             enable_gqa=self.n_q != self.n_kv)
+        return self.output(out)
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, B, H] -> rotated queries [b, n_q, B, d]."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_q, self.d)).transpose(1, 2)
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_q != self.n_kv)
+        return q
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [b, n_q, B, d] -> [b, B, H] through o_proj."""
+        b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.n_q * self.d))
 
 
@@ -237,34 +248,52 @@ class DFlashModel(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h), new_past
 
-    def forward_block_cached(self, block_embeds: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor,
-                             ctx_pos: torch.Tensor, cache: "ContextCache") -> torch.Tensor:
-        """`forward_block` for one request at inference, over its in-place ContextCache.
+    def forward_blocks_cached(self, block_embeds: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor,
+                              ctx_pos: torch.Tensor, ctx_rows: list[int], caches: list["ContextCache"]) -> torch.Tensor:
+        """`forward_block` at inference for b requests at once, each over its in-place ContextCache.
 
-        block_embeds [1, B, H]; ctx [1, n, H] new context at ctx_pos [1, n], appended to the
-        cache at [length, length + n); the block's keys go right after as scratch. Every
-        block query sees the whole context and the whole block (no mask). Returns [1, B, H].
+        block_embeds [b, B, H] at positions block_pos [b, B]; ctx [N, H]: every request's new
+        context rows back to back (ctx_rows[r] of them for request r) at positions ctx_pos [N].
+        Request r's new context goes to its cache at [length, length + ctx_rows[r]) and its
+        block's keys right after as scratch. The projections and the MLP run once over all
+        rows (the weights are read once per batch); attention is per request, over its own
+        cache. Every block query sees its request's whole context and whole block (no mask).
+        Caches' lengths advance by ctx_rows. Returns final-normed block states [b, B, H].
         """
+        b, B = block_embeds.shape[:2]
         cos_b, sin_b = self.rotary_emb(block_embeds, block_pos)
-        cos_c, sin_c = self.rotary_emb(ctx, ctx_pos)
-        n, B = ctx.shape[1], block_embeds.shape[1]
-        c0 = cache.length
-        cache.reserve(c0 + n + B)
-        end = c0 + n + B
+        n_ctx = int(ctx.shape[0])
+        if n_ctx:
+            cos_c, sin_c = self.rotary_emb(ctx[None], ctx_pos[None])
+        starts = [c.length for c in caches]
+        offsets = [0]
+        for n in ctx_rows:
+            offsets.append(offsets[-1] + n)
+        for cache, c0, n in zip(caches, starts, ctx_rows):
+            cache.reserve(c0 + n + B)
         h = block_embeds
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            if n:
-                kc, vc = attn.project_kv(ctx, cos_c, sin_c)
-                cache.keys[i, :, c0:c0 + n] = kc[0]
-                cache.values[i, :, c0:c0 + n] = vc[0]
-            kb, vb = attn.project_kv(x, cos_b, sin_b)
-            cache.keys[i, :, c0 + n:end] = kb[0]
-            cache.values[i, :, c0 + n:end] = vb[0]
-            h = h + attn.attend(x, cos_b, sin_b, cache.keys[i, :, :end][None], cache.values[i, :, :end][None])
+            if n_ctx:
+                kc, vc = attn.project_kv(ctx[None], cos_c, sin_c)  # [1, n_kv, N, d]
+            kb, vb = attn.project_kv(x, cos_b, sin_b)  # [b, n_kv, B, d]
+            q = attn.queries(x, cos_b, sin_b)
+            outs = []
+            for r, (cache, c0, n) in enumerate(zip(caches, starts, ctx_rows)):
+                keys, values = cache.keys[i], cache.values[i]
+                if n:
+                    keys[:, c0:c0 + n] = kc[0, :, offsets[r]:offsets[r + 1]]
+                    values[:, c0:c0 + n] = vc[0, :, offsets[r]:offsets[r + 1]]
+                end = c0 + n + B
+                keys[:, c0 + n:end] = kb[r]
+                values[:, c0 + n:end] = vb[r]
+                outs.append(F.scaled_dot_product_attention(q[r:r + 1], keys[None, :, :end], values[None, :, :end],
+                                                           enable_gqa=attn.n_q != attn.n_kv))
+            h = h + attn.output(outs[0] if b == 1 else torch.cat(outs))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        cache.length = c0 + n
+        for cache, c0, n in zip(caches, starts, ctx_rows):
+            cache.length = c0 + n
         return self.norm(h)
 
 
@@ -349,46 +378,59 @@ class DFlashDrafter(Drafter):
             raise ValueError(f"got {features.shape[0]} feature rows for {len(token_ids)} tokens")
         state.pending.append(features)
 
-    @torch.inference_mode()
     def propose(self, state: DFlashState, root: int, max_depth: int) -> Marginals:
         """One drafter pass: consume pending context, run the block, return top-K marginals.
 
         Returns Marginals with token_ids/logprobs [min(max_depth, B-1), top_k] on the drafter's device.
         """
+        return self.propose_batch([state], [root], [max_depth])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, states: list[DFlashState], roots: list[int], max_depths: list[int]
+                      ) -> list[Marginals | Exception]:
+        """One drafter pass over b requests' blocks together (`DFlashModel.forward_blocks_cached`).
+
+        Each request's pending context is consumed and its block [root, MASK, ...] drafted; the
+        states change only once the pass has succeeded, so a failed pass (raised) can be retried.
+        Returns b Marginals (token_ids/logprobs [min(max_depths[r], B-1), top_k]) on the
+        drafter's device.
+        """
         m = self.model
         dev, dt = self.device, m.fc.weight.dtype
-        if state.pending:
-            feats = torch.cat(state.pending, dim=0).to(dev, dt)[None]
-            state.pending = []
+        B, b = self.block_size, len(states)
+        rows = [sum(int(f.shape[0]) for f in st.pending) for st in states]
+        pending = [f for st in states for f in st.pending]
+        if pending:
+            ctx = m.context_features(torch.cat(pending, dim=0).to(dev, dt)[None])[0]  # [N, H]
         else:
-            feats = torch.zeros((1, 0, m.fc.in_features), device=dev, dtype=dt)
-        n_new = feats.shape[1]
-        ctx = m.context_features(feats)
-        ctx_pos = torch.arange(state.ctx_len, state.ctx_len + n_new, device=dev)[None]
-        start = state.ctx_len + n_new
-        B = self.block_size
-        ids = torch.full((1, B), self.spec.mask_token_id, dtype=torch.long, device=dev)
-        ids[0, 0] = root
+            ctx = torch.zeros((0, m.fc.out_features), device=dev, dtype=dt)
+        ctx_pos = torch.cat([torch.arange(st.ctx_len, st.ctx_len + n, device=dev) for st, n in zip(states, rows)])
+        starts = [st.ctx_len + n for st, n in zip(states, rows)]
+        ids = torch.full((b, B), self.spec.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.tensor(roots, dtype=torch.long, device=dev)
         x = self.embed(ids).to(dt)
-        if n_new:
-            state.last_ctx = ctx[:, -1:]
-        if self.spec.inject_anchor and state.last_ctx is not None:
-            x = x + state.last_ctx
-        block_pos = torch.arange(start, start + B, device=dev)[None]
-        if state.cache is None:
-            cfg = m.spec.config
-            state.cache = ContextCache(len(m.layers), cfg.num_key_value_heads, cfg.head_dim, dt, dev)
-        h = m.forward_block_cached(x, block_pos, ctx, ctx_pos, state.cache)
-        state.ctx_len = start
-        depth = max(0, min(max_depth, B - 1))
-        logits = F.linear(h[0, 1 : 1 + depth], self._head_w).float()
-        lp = torch.log_softmax(logits, dim=-1)
+        ends = list(itertools.accumulate(rows))
+        last = [ctx[e - 1:e][None] if n else st.last_ctx for st, n, e in zip(states, rows, ends)]
+        if self.spec.inject_anchor:
+            anchor = torch.stack([torch.zeros_like(x[0, :1]) if a is None else a[0] for a in last])
+            x = x + anchor
+        block_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(B, device=dev)[None]
+        cfg = m.spec.config
+        for st in states:
+            if st.cache is None:
+                st.cache = ContextCache(len(m.layers), cfg.num_key_value_heads, cfg.head_dim, dt, dev)
+        h = m.forward_blocks_cached(x, block_pos, ctx, ctx_pos, rows, [st.cache for st in states])
+        for st, start, a in zip(states, starts, last):
+            st.pending, st.ctx_len, st.last_ctx = [], start, a
+        depths = [max(0, min(d, B - 1)) for d in max_depths]
+        deepest = max(depths)
+        lp = torch.log_softmax(F.linear(h[:, 1:1 + deepest], self._head_w).float(), dim=-1)
         k = min(self.top_k, lp.shape[-1])
         vals, idx = torch.topk(lp, k, dim=-1)
         if m.d2t is not None:
             idx = m.d2t[idx]
         # Left on the drafter's device: the tree builder moves both in one transfer (Marginals.to_host).
-        return Marginals(token_ids=idx, logprobs=vals)
+        return [Marginals(token_ids=idx[r, :d], logprobs=vals[r, :d]) for r, d in enumerate(depths)]
 
 
 def read_spec(path: str | Path) -> DFlashSpec:

@@ -13,7 +13,8 @@ from engine.accounting import StepAccounting, StepStats, summarize
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
 from engine.sampling import RequestError, SamplingParams, select_token
-from engine.tree import ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree, build_tree
+from engine.tree import (BatchStoppingPolicy, ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree,
+                         build_tree, build_trees)
 from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.greedy_device import accept_greedy_device
 from engine.timing import StepClock
@@ -124,8 +125,14 @@ class StepController(Protocol):
         """Stopping policy for a step whose target cache holds context_len tokens."""
         ...
 
-    def should_draft(self) -> bool:
-        """False: skip the full drafter this step (its free part, `Drafter.propose_cheap`, may still propose)."""
+    def should_draft(self, batch_size: int = 1) -> bool:
+        """False: skip the full drafter this step (its free part, `Drafter.propose_cheap`, may still
+        propose). batch_size: sequences in the step."""
+        ...
+
+    def batch_policy(self, contexts: list[int]) -> BatchStoppingPolicy | None:
+        """One global stopping policy for a batched step over sequences caching `contexts` tokens
+        (engine.tree.build_trees), or None: every sequence builds its tree with `policy_for_step`."""
         ...
 
     def correct(self, proposal: Proposal) -> Proposal:
@@ -133,7 +140,11 @@ class StepController(Protocol):
         ...
 
     def observe(self, stats: StepStats, tree: Tree) -> None:
-        """Record a finished step (the online profiler's input)."""
+        """Record a finished step of one sequence (the online profiler's input)."""
+        ...
+
+    def observe_batch(self, stats: list[StepStats], trees: list[Tree]) -> None:
+        """Record a finished step of two sequences or more (phase times shared)."""
         ...
 
 
@@ -146,13 +157,19 @@ class FixedController:
     def policy_for_step(self, context_len: int) -> StoppingPolicy:
         return self.policy
 
-    def should_draft(self) -> bool:
+    def should_draft(self, batch_size: int = 1) -> bool:
         return True
+
+    def batch_policy(self, contexts: list[int]) -> None:
+        return None  # a fixed mode gives every sequence its own tree of the same policy
 
     def correct(self, proposal: Proposal) -> Proposal:
         return proposal
 
     def observe(self, stats: StepStats, tree: Tree) -> None:
+        pass
+
+    def observe_batch(self, stats: list[StepStats], trees: list[Tree]) -> None:
         pass
 
 
@@ -311,24 +328,72 @@ class Engine:
             raise out
         return out
 
-    def _plan(self, seq: Sequence) -> tuple[Tree, bool, bool]:
-        """Draft and build this step's tree for `seq`: (tree, drafted, cheap)."""
+    def _plan_batch(self, seqs: list[Sequence], failed: dict[int, Exception]) -> dict[int, tuple[Tree, bool, bool]]:
+        """Draft and build this step's trees: {r: (tree, drafted, cheap)} for the sequences that
+        did not fail (a sequence's own error goes to failed[r]).
+
+        One drafter pass over every sequence that drafts (`Drafter.propose_batch`; if it fails,
+        each sequence is retried alone so the failure stays with its own). With two sequences or
+        more and a controller that has a global policy, one best-first heap over all their
+        candidates decides every tree's size (engine.tree.build_trees); otherwise each sequence
+        builds its own tree with `policy_for_step`.
+        """
         drafter, controller = self.drafter, self.controller
-        remaining = seq.params.max_tokens - seq.n_out
-        policy = controller.policy_for_step(seq.prefix_len)
-        proposal, max_depth, drafted = None, 0, False
-        if drafter is not None and policy.max_nodes > 1 and remaining > 1:
-            depth = min(drafter.max_depth, remaining - 1)
-            if controller.should_draft():
-                proposal, drafted = drafter.propose(seq.drafter_state, seq.root, depth), True
-            else:  # the full drafter does not pay now; its free part (if any) still may
-                proposal = drafter.propose_cheap(seq.drafter_state, seq.root, depth)
-            if proposal is not None:
-                proposal, max_depth = controller.correct(proposal), depth
-        # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
-        # nodes can build one) is cut to its best prefix-closed part.
-        tree = build_tree(seq.root, proposal, policy, max_depth).head(self.pool.capacity - seq.prefix_len)
-        return tree, drafted, proposal is not None and not drafted
+        b = len(seqs)
+        batch_policy = controller.batch_policy([s.prefix_len for s in seqs]) if b > 1 else None
+        policies = [None] * b if batch_policy is not None else [controller.policy_for_step(s.prefix_len) for s in seqs]
+        depths = [0] * b
+        for r, seq in enumerate(seqs):
+            remaining = seq.params.max_tokens - seq.n_out
+            cap = batch_policy.max_nodes_per_tree if batch_policy is not None else policies[r].max_nodes
+            if drafter is not None and cap > 1 and remaining > 1:
+                depths[r] = min(drafter.max_depth, remaining - 1)
+        want = [r for r in range(b) if depths[r] > 0]
+        drafted = bool(want) and controller.should_draft(b)
+        proposals: dict[int, Proposal | None] = {}
+        if want and drafted:
+            try:
+                outs = drafter.propose_batch([seqs[r].drafter_state for r in want], [seqs[r].root for r in want],
+                                             [depths[r] for r in want])
+                for r, out in zip(want, outs):
+                    if isinstance(out, Exception):
+                        failed[r] = out
+                    else:
+                        proposals[r] = out
+            except Exception:  # noqa: BLE001 - the shared pass failed: find the sequence at fault, each alone
+                for r in want:
+                    try:
+                        proposals[r] = drafter.propose(seqs[r].drafter_state, seqs[r].root, depths[r])
+                    except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
+                        failed[r] = e
+        elif want:  # the full drafter does not pay now; its free part (if any) still may
+            for r in want:
+                try:
+                    proposals[r] = drafter.propose_cheap(seqs[r].drafter_state, seqs[r].root, depths[r])
+                except Exception as e:  # noqa: BLE001
+                    failed[r] = e
+        live = [r for r in range(b) if r not in failed]
+        for r in live:
+            if proposals.get(r) is not None:
+                try:
+                    proposals[r] = controller.correct(proposals[r])
+                except Exception as e:  # noqa: BLE001
+                    failed[r] = e
+        live = [r for r in live if r not in failed]
+        max_depths = [depths[r] if proposals.get(r) is not None else 0 for r in live]
+        if batch_policy is not None:
+            trees = build_trees([seqs[r].root for r in live], [proposals.get(r) for r in live], batch_policy,
+                                max_depths)
+        else:
+            trees = [build_tree(seqs[r].root, proposals.get(r), policies[r], d) for r, d in zip(live, max_depths)]
+        plans = {}
+        for r, tree in zip(live, trees):
+            # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
+            # nodes can build one) is cut to its best prefix-closed part.
+            tree = tree.head(self.pool.capacity - seqs[r].prefix_len)
+            has = proposals.get(r) is not None
+            plans[r] = (tree, drafted and r in proposals, has and not drafted)
+        return plans
 
     @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence]) -> list[GenerationEvent | Exception]:
@@ -351,12 +416,7 @@ class Engine:
         clock = self._clock
         clock.mark()
         failed: dict[int, Exception] = {}
-        plans = {}
-        for r, seq in enumerate(seqs):
-            try:
-                plans[r] = self._plan(seq)
-            except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
-                failed[r] = e
+        plans = self._plan_batch(seqs, failed)
         live = [r for r in range(len(seqs)) if r not in failed]
         clock.mark()
         while len(self._batch_buffers) < len(seqs):
@@ -379,6 +439,7 @@ class Engine:
         clock.mark()
         draft_s, load_s, verify_s, commit_s = clock.intervals()
         events: list[GenerationEvent | Exception] = []
+        observed: list[tuple[StepStats, Tree]] = []
         for r, seq in enumerate(seqs):
             if r in failed:
                 self.release(seq)
@@ -390,12 +451,15 @@ class Engine:
                               verify_s=verify_s, other_s=load_s + commit_s, cheap=cheap)
             seq.steps.append(stats)
             self.accounting.record(stats)
-            if len(seqs) == 1:
-                self.controller.observe(stats, tree)
             if finish is not None:
                 # The root was committed earlier but, like this step's tokens, never reached the drafter.
                 self._finished(seq, [seq.root] + committed)
             events.append(GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats))
+            observed.append((stats, tree))
+        if len(live) == 1 and observed:
+            self.controller.observe(*observed[0])
+        elif len(observed) > 1:
+            self.controller.observe_batch([o[0] for o in observed], [o[1] for o in observed])
         return events
 
     def _accept(self, seq: Sequence, tree: Tree, device_tree: DeviceTree, out: VerifyOutput

@@ -9,7 +9,7 @@ import torch
 from engine.forward import Segment, target_forward_for
 from engine.tree import Tree
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import verify
+from engine.verifier import verify, verify_batch
 
 
 class StepClock:
@@ -82,6 +82,48 @@ def verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str = "sd
         sync()
         t0 = time.perf_counter()
         verify(forward, pool, 0, device_tree, feature_layers, backend=backend)
+        sync()
+        return time.perf_counter() - t0
+
+    return measure
+
+
+def batch_verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str = "sdpa",
+                       capacity: int | None = None, max_batch: int = 8) -> Callable[[int, int, int], float]:
+    """measure(b, n, c) -> seconds of one `verify_batch` of b trees of n nodes each, every tree
+    over its own slot of c cached tokens (the batched step's forward; see `verify_timer`).
+
+    The slots are filled once per c by real prefills; max_batch: slots held. On CUDA the device
+    is synchronised around the forward. Raises ValueError when b > max_batch,
+    CacheCapacityError when c + n exceeds the capacity.
+    """
+    forward = target_forward_for(model)
+    pool = forward.new_pool(max_batch, capacity or forward.max_positions)
+    buffers = [TreeBufferPool(model.device) for _ in range(max_batch)]
+    vocab = model.config.vocab_size
+    dev = model.device
+    gen = torch.Generator().manual_seed(0)
+    state: dict = {}
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def measure(b: int, n: int, c: int) -> float:
+        if b > max_batch:
+            raise ValueError(f"a batch of {b} exceeds the {max_batch} slots of this timer")
+        if state.get("c") != c:
+            if c > 0:
+                ids = torch.randint(0, vocab, (c,), generator=gen).to(dev)
+                for slot in range(max_batch):
+                    forward(pool, ids, torch.arange(c, device=dev), [Segment(slot, 0, c)], last_only=True,
+                            backend=backend)
+            state["c"] = c
+        trees = [buffers[r].load(_chain_tree(n, vocab, gen), c) for r in range(b)]
+        sync()
+        t0 = time.perf_counter()
+        verify_batch(forward, pool, list(range(b)), trees, feature_layers, backend=backend)
         sync()
         return time.perf_counter() - t0
 

@@ -9,7 +9,7 @@ import pytest
 
 from drafting.hybrid import DEFAULT_MERGE, MERGES, HybridDrafter
 from drafting.suffix import SuffixDrafter
-from engine.engine import Engine, make_controller
+from engine.engine import Engine, FixedController, make_controller
 from engine.sampling import SamplingParams
 from helpers import ar_references
 
@@ -68,10 +68,10 @@ def test_other_merges_equal_ar(target_f32, random_drafter, references, merge):
 class _CountingHybrid(HybridDrafter):
     skipped = 0
 
-    def propose(self, state, root, max_depth):
-        before = state.skipped
-        out = super().propose(state, root, max_depth)
-        self.skipped += state.skipped - before
+    def propose_batch(self, states, roots, max_depths):
+        before = sum(st.skipped for st in states)
+        out = super().propose_batch(states, roots, max_depths)
+        self.skipped += sum(st.skipped for st in states) - before
         return out
 
 
@@ -113,23 +113,14 @@ def test_engine_finish_passes_the_whole_output(target_f32, random_drafter, refer
         assert stored == out
 
 
-class _GateOff:
+class _GateOff(FixedController):
     """A controller whose gate keeps the full drafter off: only free proposals are verified."""
 
     def __init__(self, budget):
-        self.fixed = make_controller("tree", budget)
+        super().__init__(make_controller("tree", budget).policy)
 
-    def policy_for_step(self, c):
-        return self.fixed.policy
-
-    def should_draft(self):
+    def should_draft(self, batch_size=1):
         return False
-
-    def correct(self, proposal):
-        return proposal
-
-    def observe(self, stats, tree):
-        pass
 
 
 def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, random_drafter, references):
@@ -138,9 +129,9 @@ def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, r
     calls = []
 
     class Counting(HybridDrafter):
-        def propose(self, *a, **kw):
+        def propose_batch(self, *a, **kw):
             calls.append(1)
-            return super().propose(*a, **kw)
+            return super().propose_batch(*a, **kw)
 
     h = Counting(random_drafter, SuffixDrafter())
     eng = Engine(target_f32, h, _GateOff(16))

@@ -1,0 +1,160 @@
+"""One global tree budget over a batched step (docs/method.md, section 8): the merged best-first
+order against brute force, the batched cost model, the batch policy's rule and the controller's
+batched bookkeeping."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.budget import BudgetController
+from controller.ceilings import Ceilings
+from controller.cost_model import ModelShape
+from controller.latency_model import LatencyModel, LatencyParams
+from controller.policy import BatchAdaptivePolicy, PolicySettings
+from engine.accounting import StepStats
+from engine.tree import FixedBudgetPolicy, build_tree, build_trees
+from test_tree import random_marginals
+
+SHAPE = ModelShape(layers=30, hidden=576, n_q=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152, bytes_per_param=4,
+                   tied_embeddings=True)
+CEIL = Ceilings(60e9, 12e9, "synthetic cpu")
+PARAMS = LatencyParams(1.6, 4e-3, 1.3, 6e-3)
+
+
+class TotalCap:
+    """Add every candidate up to `max_nodes` nodes in all (a fixed global N)."""
+
+    def __init__(self, max_nodes: int, per_tree: int = 64, top_k: int | None = 3):
+        self.max_nodes, self.max_nodes_per_tree, self.top_k = max_nodes, per_tree, top_k
+
+    def should_add(self, n, a_hat, p):
+        return True
+
+
+def best_by_size(m, depth: int, width: int, max_n: int) -> list[float]:
+    """Brute force: best A_hat of a prefix-closed tree of n nodes (n = 1..max_n) over the marginals."""
+    lp = m.logprobs.tolist()
+    cands = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
+    score = {p: math.exp(sum(lp[d][r] for d, r in enumerate(p))) for p in cands}
+    best = [0.0, 1.0]
+    for n in range(2, max_n + 1):
+        top = 0.0
+        for subset in itertools.combinations(cands, n - 1):
+            s = set(subset)
+            if all(len(p) == 1 or p[:-1] in s for p in s):
+                top = max(top, 1 + sum(score[p] for p in s))
+        best.append(top)
+    return best
+
+
+@pytest.mark.parametrize("seeds", [(1, 2), (3, 4, 5), (6, 6)])
+def test_merged_best_first_order_maximises_the_sum_of_a_hat(seeds):
+    """For every total N, the global heap's split of N nodes over the sequences gives the largest
+    sum of A_hat of any split into prefix-closed trees (brute force over every tree and split)."""
+    margs = [random_marginals(2, 3, vocab=10, seed=s) for s in seeds]
+    per_seq = [best_by_size(m, 2, 3, 7) for m in margs]
+    b = len(seeds)
+    for total in range(b, b + 9):
+        brute = max(sum(per_seq[r][k] for r, k in enumerate(split))
+                    for split in itertools.product(range(1, 8), repeat=b) if sum(split) == total)
+        trees = build_trees([0] * b, margs, TotalCap(total), [2] * b)
+        assert sum(t.size for t in trees) == total
+        assert math.isclose(sum(t.a_hat for t in trees), brute, rel_tol=1e-6), total
+        # Each tree is the best-first tree of its own size (a prefix of the merged order).
+        for t, m in zip(trees, margs):
+            alone = build_tree(0, m, FixedBudgetPolicy(t.size, top_k=3), max_depth=2)
+            assert t.tokens.tolist() == alone.tokens.tolist() and t.parents.tolist() == alone.parents.tolist()
+
+
+def test_every_sequence_keeps_its_root_and_a_missing_proposal_stays_a_root():
+    margs = [random_marginals(4, 4, seed=1), None, random_marginals(4, 4, seed=2)]
+    trees = build_trees([5, 6, 7], margs, TotalCap(3), [4, 4, 4])
+    assert [t.size for t in trees] == [1, 1, 1] and [int(t.tokens[0]) for t in trees] == [5, 6, 7]
+    trees = build_trees([5, 6, 7], margs, TotalCap(20), [4, 0, 4])
+    assert trees[1].size == 1 and sum(t.size for t in trees) == 20
+    with pytest.raises(ValueError, match="roots"):
+        build_trees([1, 2], margs, TotalCap(4), [1, 1, 1])
+
+
+def test_per_tree_cap_holds():
+    margs = [random_marginals(4, 4, seed=1), random_marginals(4, 4, seed=2)]
+    trees = build_trees([0, 0], margs, TotalCap(40, per_tree=5), [4, 4])
+    assert [t.size for t in trees] == [5, 5]
+
+
+def test_batched_cost_of_one_sequence_is_the_single_cost_and_kv_bytes_add_up():
+    model = LatencyModel(SHAPE, CEIL, PARAMS, ((1.0, -0.3), (8.0, 0.0)))
+    for n, c in [(1, 64), (16, 512), (64, 1024)]:
+        assert math.isclose(model.predict_batch(n, 1, c), model.predict(n, c), rel_tol=1e-12)
+    # Memory-bound at small n: 8 sequences of 1024 cached tokens read 8x the KV bytes of one.
+    one, eight = model.predict_batch(8, 8, 1024), model.predict_batch(8, 8, 8 * 1024)
+    kv = SHAPE.kv_bytes(0, 7 * 1024) / CEIL.bytes_per_s * PARAMS.alpha_m
+    assert math.isclose(eight - one, kv, rel_tol=1e-6)
+    assert math.isclose(model.predict_batch(8, 8, 512, 2e-3) - model.predict_batch(8, 8, 512), 7 * 2e-3)
+    costs = model.batch_costs(32, 4, 2048, 1e-3)
+    assert costs[:4] == [0.0] * 4 and len(costs) == 33
+    assert math.isclose(costs[10], model.predict_batch(10, 4, 2048, 1e-3))
+    with pytest.raises(ValueError):
+        model.predict_batch(4, 0, 100)
+
+
+def test_batch_policy_rule_and_trees_shrink_as_the_batch_grows():
+    costs = [0.0] + [0.05 + 0.001 * n for n in range(1, 65)]
+    pol = BatchAdaptivePolicy(costs, 0.02, max_nodes=64)
+    # p * (fixed + C(N)) > A * (C(N+1) - C(N)): at N = 10, A = 10, dC = 1 ms, fixed + C = 80 ms.
+    assert pol.should_add(10, 10.0, 0.2) and not pol.should_add(10, 10.0, 0.1)
+    assert not pol.should_add(64, 1.0, 1.0)
+    assert math.isclose(pol.theta(10, 10.0), 10.0 / 0.08)
+    # With the calibrated-shape model, more sequences leave fewer nodes per sequence.
+    model = LatencyModel(SHAPE, CEIL, PARAMS)
+    per_seq = []
+    for b in (1, 2, 4, 8):
+        pol = BatchAdaptivePolicy(model.batch_costs(256, b, 512 * b), 0.02, 256, 256)
+        trees = build_trees([0] * b, [random_marginals(15, 8, seed=s) for s in range(b)], pol, [15] * b)
+        per_seq.append(sum(t.size for t in trees) / b)
+    assert per_seq[0] > per_seq[-1] and all(x >= 1 for x in per_seq)
+
+
+def _controller(**kw) -> BudgetController:
+    return BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), PolicySettings(1, 256, 1, 64),
+                            registry=CollectorRegistry(), t_draft_init=0.01, **kw)
+
+
+def test_controller_batch_policy_and_online_sequence_overhead():
+    ctl = _controller(seq_overhead=1e-3)
+    pol = ctl.batch_policy([100, 200, 300])
+    assert math.isclose(pol.cost(3), ctl.model.predict_batch(3, 3, 600, 1e-3))
+    assert pol.max_nodes == 256
+    # Batched steps that each cost 5 ms per extra sequence over the roofline: the estimate moves there.
+    tree = build_tree(0, None, FixedBudgetPolicy(1), 0)
+    for _ in range(60):
+        base = ctl.model.predict_batch(4, 4, 2000)
+        stats = [StepStats(tree_size=1, accepted=1, accepted_depth=0, context_len=500, a_hat=1.0, drafted=False,
+                           draft_s=0.0, verify_s=base + 3 * 5e-3, other_s=1e-3) for _ in range(4)]
+        ctl.observe_batch(stats, [tree] * 4)
+    assert abs(ctl.seq_overhead.value - 5e-3) < 2e-4
+    assert ctl.step_kinds["plain"] == 240 and ctl.batch_steps == 60
+    with pytest.raises(ValueError):
+        ctl.observe_batch(stats[:1], [tree])
+
+
+def test_each_batch_size_class_has_its_own_gate():
+    ctl = _controller()
+    assert ctl.gate_for(1) is ctl.gate and ctl.gate_for(3) is ctl.gate_for(4) and ctl.gate_for(5) is not ctl.gate_for(4)
+    tree = build_tree(0, random_marginals(4, 4), FixedBudgetPolicy(8), 4)
+    # Drafted batched steps of 8 that accept nothing beyond the bonus: the gate of 5-8 turns off ...
+    for _ in range(10):
+        if not ctl.should_draft(8):
+            break
+        stats = [StepStats(tree_size=8, accepted=1, accepted_depth=0, context_len=500, a_hat=tree.a_hat, drafted=True,
+                           draft_s=0.04, verify_s=0.4, other_s=1e-3) for _ in range(8)]
+        ctl.observe_batch(stats, [tree] * 8)
+    assert not ctl.should_draft(8) and not ctl.should_draft(6)
+    # ... and single-sequence steps still draft.
+    assert ctl.should_draft(1) and ctl.should_draft(2)
+    snap = ctl.snapshot()
+    assert snap["batch_gate_pauses"] == {"2": 0, "4": 0, "8": 1}
