@@ -57,9 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256 on CPU, 2048 on GPU (32 with --quick)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, with the exactness check")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--modes", type=_csv, default=list(BASE_MODES),
+    p.add_argument("--modes", type=_csv, default=None,
                    help=f"comma-separated, run interleaved per prompt: {', '.join(BASE_MODES)}, tree-N "
-                        "('tree' = tree-N for each of --budgets)")
+                        "('tree' = tree-N for each of --budgets); default all of them, or with --concurrency "
+                        "serial-ar,ar,tree-4,tree-16,tree-64,bastion")
     p.add_argument("--budgets", type=_int_csv, default=None,
                    help="tree sizes for 'tree' (default 16,64 on CPU, 64,256,1024 on GPU; 32 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed base (per prompt: derived) and random drafter seed")
@@ -68,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="ignore an earlier results.json in --out instead of resuming")
     p.add_argument("--no-warmup", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--concurrency", type=_int_csv, default=None, metavar="K,K,...",
+                   help="instead of one request at a time: K closed-loop clients per cell against the batching "
+                        "scheduler, for each K (modes default serial-ar,ar,tree-4,tree-16,tree-64,bastion; "
+                        "writes DIR/concurrency.json and concurrency.md)")
+    p.add_argument("--requests-per-client", type=int, default=2,
+                   help="requests each client sends per --concurrency cell (default 2)")
 
 
 def run(args) -> int:
@@ -87,7 +94,20 @@ def run(args) -> int:
     out = args.out or Path("runs/bench-quick" if args.quick else "runs/bench")
     if max_new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
-    modes = expand_modes(args.modes, budgets)
+    if args.concurrency is not None:
+        if not args.concurrency or min(args.concurrency) < 1 or args.requests_per_client < 1:
+            raise ValueError("--concurrency needs levels >= 1 and --requests-per-client >= 1")
+        from bench.concurrency import CONCURRENCY_MODES
+
+        requested = args.modes or list(CONCURRENCY_MODES)
+        bad = [m for m in requested if m in ("ar-hf", "pld")]
+        if bad:
+            raise ValueError(f"--concurrency serves engine modes only, not {', '.join(bad)}")
+        modes = [m for m in expand_modes([m for m in requested if m != "serial-ar"], budgets)]
+        if "serial-ar" in requested:
+            modes.insert(requested.index("serial-ar"), "serial-ar")
+    else:
+        modes = expand_modes(args.modes or list(BASE_MODES), budgets)
 
     prompt_sets, skipped_ds = load_prompt_sets(names, args.prompts_file, num_prompts)
     for name, why in skipped_ds.items():
@@ -121,6 +141,8 @@ def run(args) -> int:
             calibration.update(cal.to_json(), from_cache=cal.from_cache)
         return controller
 
+    if args.concurrency is not None:
+        return _run_concurrency(args, target, drafter, modes, prompt_sets, bastion_controller, max_new, out)
     mode_objs = build_modes(modes, target, drafter, bastion_controller)
     settings = BenchSettings(
         target=target.name, drafter=drafter_desc, dtype=str(target.dtype).removeprefix("torch."), device=args.device,
@@ -143,4 +165,33 @@ def run(args) -> int:
     if bad:
         print("bastion bench: outputs differ from the reference for "
               + ", ".join(f"{s['mode']} on {s['dataset']} ({s['mismatches']})" for s in bad), file=sys.stderr)
+    return 0
+
+
+def _run_concurrency(args, target, drafter, modes, prompt_sets, bastion_controller, max_new, out) -> int:
+    """`--concurrency`: every mode at every level through the batching scheduler (bench/concurrency.py)."""
+    from bench.concurrency import markdown, run_concurrency
+    from bench.modes import build_modes
+    from bench.runner import chat_encoder
+    from engine.engine import Engine, make_controller
+    from engine.sampling import SamplingParams
+
+    engines = {}
+    built = build_modes([m for m in modes if m != "serial-ar"], target, drafter, bastion_controller)
+    by_name = {m.name: m.engine for m in built}
+    for m in modes:
+        engines[m] = Engine(target, None, make_controller("ar")) if m == "serial-ar" else by_name[m]
+    encode = chat_encoder(target)
+    prompts = [encode([{"role": "user", "content": rec["prompt"]}]) for recs in prompt_sets.values() for rec in recs]
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_new, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    print(f"bastion bench --concurrency {','.join(map(str, args.concurrency))}: {len(prompts)} prompts, "
+          f"{args.requests_per_client} requests per client, modes {', '.join(modes)}, out {out}", file=sys.stderr)
+    cells = run_concurrency(engines, prompts, list(args.concurrency), args.requests_per_client, params, Path(out),
+                            progress=not args.no_progress)
+    print(markdown(cells))
+    bad = [c for c in cells if c.mismatches]
+    if bad:
+        print("bastion bench: outputs differ from serial AR for "
+              + ", ".join(f"{c.mode} at k={c.concurrency} ({c.mismatches})" for c in bad), file=sys.stderr)
     return 0

@@ -40,8 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host name accepted in Host / Origin headers besides loopback (repeatable)")
     p.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", "64"),
                    help="requests allowed to wait beyond --max-running; more get HTTP 429 (default 64)")
-    p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "1"),
-                   help="sequences decoded together; each step verifies all their trees in one forward (default 1)")
+    p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "8"),
+                   help="sequences decoded together; each step verifies all their trees in one forward, sized "
+                        "by one global budget (default 8)")
+    p.add_argument("--prefill-chunk", type=int, default=_env("PREFILL_CHUNK", "512"),
+                   help="prompt tokens prefilled between two decoding steps, so a long prompt does not stall "
+                        "the running requests (default 512)")
     p.add_argument("--max-connections", type=int, default=_env("MAX_CONNECTIONS", "256"),
                    help="open connections allowed; more get HTTP 503 from uvicorn (default 256)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),
@@ -75,6 +79,7 @@ def server_config(args):
                          "(BASTION_ALLOW_UNAUTHENTICATED=1) if the network is private")
     return ServerConfig(served_model_name=args.served_model_name, api_key=args.api_key,
                         metrics_key=args.metrics_key, max_queue=args.max_queue, max_running=args.max_running,
+                        prefill_chunk=args.prefill_chunk,
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         stall_timeout=args.stall_timeout, shutdown_timeout=args.shutdown_timeout,
                         max_tokens_limit=args.max_tokens_limit,

@@ -50,7 +50,7 @@ class BudgetController:
     of the latency-table and online-error gauges. seq_overhead: calibrated seconds a batched
     forward costs per sequence beyond the first (CalibrationResult.seq_overhead), refined online
     by batched steps.
-    Batched steps (docs/method.md, section 8) get a global policy from `batch_policy`, are
+    Batched steps (docs/method.md, section 9) get a global policy from `batch_policy`, are
     judged by one gate per batch-size class (1, 2, 3-4, 5-8, ...: whether drafting pays
     depends on how loaded the forward is) and are recorded by `observe_batch`.
     """
@@ -184,7 +184,7 @@ class BudgetController:
 
     def batch_policy(self, contexts: Sequence[int]) -> BatchAdaptivePolicy:
         """The global stopping policy of a batched step over sequences caching `contexts` tokens
-        (docs/method.md, section 8): at most settings.max_nodes nodes in all, and per tree."""
+        (docs/method.md, section 9): at most settings.max_nodes nodes in all, and per tree."""
         b = len(contexts)
         st = self.settings
         if b > st.max_nodes:

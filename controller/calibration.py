@@ -70,7 +70,7 @@ OUTLIER_REL_ERROR = 0.25
 @dataclass(frozen=True)
 class BatchGrid:
     """Grid of batched forwards: b sequences of n tree tokens each, each over c cached tokens
-    (docs/method.md, section 8), iterated c-major."""
+    (docs/method.md, section 9), iterated c-major."""
 
     b_values: tuple[int, ...]
     n_values: tuple[int, ...]
@@ -316,7 +316,7 @@ def fit_seq_overhead(model: LatencyModel, points: list[tuple[int, int, int, floa
 
     model: the single-sequence LatencyModel; points: [(b, n, c, seconds)] with b >= 2 trees of
     n nodes over c cached tokens each. The overhead is the median over points of
-    (measured - C_b(b n; b c)) / (b - 1), not below 0 (docs/method.md, section 8).
+    (measured - C_b(b n; b c)) / (b - 1), not below 0 (docs/method.md, section 9).
     Returns (seq_overhead seconds, MAPE of `predict_batch` with it, as a fraction; nan without points).
     """
     pts = [p for p in points if p[0] >= 2]

@@ -106,7 +106,7 @@ class LatencyModel:
 
     def predict_batch(self, n, b: int, c_total: int, seq_overhead: float = 0.0):
         """C_b(N; c_1..c_b) in seconds: one forward verifying n tree tokens in all for b sequences
-        that cache c_total tokens in all (docs/method.md, section 8).
+        that cache c_total tokens in all (docs/method.md, section 9).
 
         Weights are read once, KV bytes add up over the sequences (Bytes(n, c_total)); the
         attention FLOPs sum_r n_r (c_r + n_r) are taken at equal trees and contexts, which is

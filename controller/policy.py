@@ -106,7 +106,7 @@ class AdaptivePolicy:
 
 
 class BatchAdaptivePolicy:
-    """One batched step's global stopping policy for engine.tree.build_trees (docs/method.md, section 8).
+    """One batched step's global stopping policy for engine.tree.build_trees (docs/method.md, section 9).
 
     costs: Python list, costs[N] = C_b(N) predicted verify seconds of N tree tokens in all
     for this batch (N = b..max_nodes; LatencyModel.batch_costs). fixed_s: T_draft(b) +

@@ -3,7 +3,8 @@
 `StepStats` is what one engine step reports. `StepAccounting` (one per engine) folds every
 step into running totals: steps by kind, drafted / accepted token counts (also per depth),
 the tree-size and accepted-length histograms, and the estimated speedup over plain
-decoding. `summarize(steps)` gives one request's figures (tau, mean tree size, token
+decoding; and each target forward (`record_forward`) into the batch-size, nodes-per-forward
+and speculative-tokens-per-forward histograms. `summarize(steps)` gives one request's figures (tau, mean tree size, token
 counts). The server exports the totals as Prometheus metrics and the per-request summary
 in each response; the adaptive controller keeps only its control state.
 
@@ -29,6 +30,8 @@ from typing import Iterable
 SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192)
 #: Upper bounds of the accepted-length histogram (tokens per step, bonus included).
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (24, 32)
+#: Upper bounds of the batch-size histogram (sequences per target forward).
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: Deepest depth counted in the per-depth acceptance totals (published drafters reach 15).
 MAX_DEPTH_LABEL = 32
 STEP_KINDS = ("draft", "cheap", "plain")
@@ -141,6 +144,10 @@ class StepAccounting:
         self.accepted_per_depth = [0] * MAX_DEPTH_LABEL
         self.tree_size = Histogram(SIZE_BUCKETS)
         self.accepted_length = Histogram(ACCEPT_BUCKETS)
+        # Per target forward (one step of a batch): sequences, tree tokens in all, drafted ones.
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.step_nodes = Histogram(SIZE_BUCKETS)
+        self.step_speculative = Histogram(SIZE_BUCKETS)
         # Decayed sums: root-only steps (weight, seconds) and all steps (tokens, seconds).
         self._ar_w = 0.0
         self._ar_s = 0.0
@@ -171,6 +178,13 @@ class StepAccounting:
             self._tokens = d * self._tokens + st.accepted
             self._seconds = d * self._seconds + seconds
 
+    def record_forward(self, sizes: list[int]) -> None:
+        """Fold one target forward of a (batched) step: sizes = each sequence's tree size."""
+        with self._lock:
+            self.batch_size.observe(len(sizes))
+            self.step_nodes.observe(sum(sizes))
+            self.step_speculative.observe(sum(sizes) - len(sizes))
+
     @property
     def ar_step_s(self) -> float | None:
         """Recent mean seconds of a whole root-only step, else the start-up probe, else None."""
@@ -193,6 +207,8 @@ class StepAccounting:
             out.draft_tokens, out.accepted_tokens = self.draft_tokens, self.accepted_tokens
             out.accepted_per_depth = list(self.accepted_per_depth)
             out.tree_size, out.accepted_length = self.tree_size.copy(), self.accepted_length.copy()
+            out.batch_size, out.step_nodes = self.batch_size.copy(), self.step_nodes.copy()
+            out.step_speculative = self.step_speculative.copy()
             out._ar_w, out._ar_s = self._ar_w, self._ar_s
             out._tokens, out._seconds = self._tokens, self._seconds
         return out

@@ -77,8 +77,8 @@ class Sequence:
     """All per-request state; nothing of it is shared between requests.
 
     slot: the sequence's slot in the engine's KV pool (prefix_len committed tokens; -1 once
-    released); root: last committed token, not yet in the cache; output_ids: committed
-    output tokens.
+    released); prefilled: prompt tokens in the slot so far (`Engine.prefill_step`); root: last
+    committed token, not yet in the cache (-1 while prefilling); output_ids: committed output tokens.
     """
 
     prompt_ids: list[int]
@@ -89,6 +89,7 @@ class Sequence:
     generator: torch.Generator | None
     eos: set[int]
     prefix_len: int = 0
+    prefilled: int = 0
     root: int = -1
     output_ids: list[int] = field(default_factory=list)
     steps: list[StepStats] = field(default_factory=list)
@@ -258,6 +259,16 @@ class Engine:
         Returns the request's Sequence; its `pending` event carries the first token.
         Raises RequestError (ContextLengthError included) before any work on bad input.
         """
+        seq = self.begin(prompt_ids, params)
+        while self.prefill_step(seq) is None:
+            pass
+        return seq
+
+    def begin(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate and take a KV slot, without any forward: the prompt is then prefilled by
+        `prefill_step` calls (a scheduler interleaves them with other sequences' steps).
+        Raises RequestError (ContextLengthError included) on bad input, holding nothing.
+        """
         params.validate()
         self.check_length(len(prompt_ids), params.max_tokens)
         gen = None
@@ -265,10 +276,9 @@ class Engine:
             # On the model's device: the sampling draws run there (a CPU generator cannot drive CUDA).
             gen = torch.Generator(device=self.model.device).manual_seed(int(params.seed))
         drafter = self.drafter
-        feature_layers = drafter.feature_layers if drafter is not None else ()
         if self.pool.free_slots == 0:
             self.pool.grow(2 * self.pool.num_slots)
-        seq = Sequence(
+        return Sequence(
             prompt_ids=list(prompt_ids),
             params=params,
             slot=self.pool.allocate(),
@@ -277,34 +287,43 @@ class Engine:
             generator=gen,
             eos=set() if params.ignore_eos else set(self.eos_ids),
         )
+
+    def prefill_step(self, seq: Sequence, max_tokens: int = PREFILL_CHUNK) -> GenerationEvent | None:
+        """Prefill the next `max_tokens` (at most) prompt tokens of a sequence from `begin`: their
+        keys and values go into its slot and the drafter gets their features. After the last
+        chunk the first token is picked and committed: returns that event (also `seq.pending`);
+        None while prompt tokens remain. On an error the slot is released and the error raised.
+        Raises ValueError when the sequence is released or already prefilled, or max_tokens < 1.
+        """
+        if seq.slot < 0 or seq.root >= 0:
+            raise ValueError("prefill_step needs a sequence from begin() that is still prefilling")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
+        start = seq.prefilled
+        end = min(start + max_tokens, len(seq.prompt_ids))
+        dev = self.model.device
         try:
-            logits = self._prefill(seq, feature_layers)
             with torch.inference_mode():
-                seq.root = select_token(logits, params, gen)
+                ids = torch.tensor(seq.prompt_ids[start:end], dtype=torch.long, device=dev)
+                logits, feats = self.forward(self.pool, ids, torch.arange(start, end, device=dev),
+                                             [Segment(seq.slot, start, end - start)], feature_layers, last_only=True,
+                                             backend=self.backend)
+                if self.drafter is not None:
+                    self.drafter.extend(seq.drafter_state, seq.prompt_ids[start:end], feats)
+                seq.prefilled = end
+                if end < len(seq.prompt_ids):
+                    return None
+                seq.root = select_token(logits[0], seq.params, seq.generator)
         except BaseException:
             self.release(seq)
             raise
-        seq.prefix_len = len(prompt_ids)
+        seq.prefix_len = len(seq.prompt_ids)
         committed, finish = self._commit(seq, [seq.root])
         seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
         if finish is not None:
             self._finished(seq, committed)
-        return seq
-
-    def _prefill(self, seq: Sequence, feature_layers: tuple[int, ...]) -> torch.Tensor:
-        """Write the prompt's keys and values into the sequence's slot (in chunks of PREFILL_CHUNK)
-        and hand the drafter its features; returns the last prompt position's logits [V]."""
-        dev = self.model.device
-        ids = torch.tensor(seq.prompt_ids, dtype=torch.long, device=dev)
-        logits = None
-        for start in range(0, len(seq.prompt_ids), PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, len(seq.prompt_ids))
-            logits, feats = self.forward(self.pool, ids[start:end], torch.arange(start, end, device=dev),
-                                         [Segment(seq.slot, start, end - start)], feature_layers, last_only=True,
-                                         backend=self.backend)
-            if self.drafter is not None:
-                self.drafter.extend(seq.drafter_state, seq.prompt_ids[start:end], feats)
-        return logits[0]
+        return seq.pending
 
     def release(self, seq: Sequence) -> None:
         """Give the sequence's KV slot back to the pool (idempotent). The engine does this itself
@@ -407,10 +426,10 @@ class Engine:
         sequence is released and the others go on. An error of the shared forward is raised. Phase
         times in each StepStats are the batch's (shared); the controller observes steps only
         when one sequence ran, since its latency model prices one tree per forward.
-        Raises ValueError when a sequence appears twice or has finished.
+        Raises ValueError when a sequence appears twice, is still prefilling or has finished.
         """
-        if len({id(s) for s in seqs}) != len(seqs) or any(s.slot < 0 or s.finish_reason for s in seqs):
-            raise ValueError("step_batch needs distinct running sequences")
+        if len({id(s) for s in seqs}) != len(seqs) or any(s.slot < 0 or s.root < 0 or s.finish_reason for s in seqs):
+            raise ValueError("step_batch needs distinct running sequences (prefilled, not finished)")
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
         clock = self._clock
@@ -456,6 +475,8 @@ class Engine:
                 self._finished(seq, [seq.root] + committed)
             events.append(GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats))
             observed.append((stats, tree))
+        if live:
+            self.accounting.record_forward([plans[r][0].size for r in live])
         if len(live) == 1 and observed:
             self.controller.observe(*observed[0])
         elif len(observed) > 1:

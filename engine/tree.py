@@ -231,7 +231,7 @@ def build_tree(root: int, proposal: Proposal | None, policy: StoppingPolicy, max
 
 
 class BatchStoppingPolicy(Protocol):
-    """Decides how many nodes a batched step verifies in all (docs/method.md, section 8).
+    """Decides how many nodes a batched step verifies in all (docs/method.md, section 9).
 
     top_k: tokens kept per depth; max_nodes: cap on the batch's total nodes, roots included;
     max_nodes_per_tree: cap on any one sequence's tree.
@@ -249,7 +249,7 @@ class BatchStoppingPolicy(Protocol):
 
 def build_trees(roots: list[int], proposals: list[Proposal | None], policy: BatchStoppingPolicy,
                 max_depths: list[int]) -> list[Tree]:
-    """Trees for every sequence of a batched step under one global budget (docs/method.md, section 8).
+    """Trees for every sequence of a batched step under one global budget (docs/method.md, section 9).
 
     One heap over every sequence's best-first frontier: the globally best candidate is added
     while `policy.should_add(total nodes, sum of A_hat, its path score)` holds. Each

@@ -35,7 +35,7 @@ from controller.metrics import REGISTRY
 from engine.engine import Engine
 from server.metrics import server_metrics
 from server.protocol import APIError
-from server.scheduler import Scheduler
+from server.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Scheduler
 from server.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ class ServerConfig:
     api_key: bearer token required on every route but /health (None: no key; "" is refused).
     metrics_key: bearer token for /metrics instead of api_key (None: api_key guards it).
     max_queue: requests allowed to wait beyond max_running (more get HTTP 429). max_running:
-    sequences decoded at once. max_body_bytes: largest request body (more get 413).
+    sequences decoded at once. prefill_chunk: prompt tokens prefilled between two batched
+    steps (server.scheduler.Scheduler). max_body_bytes: largest request body (more get 413).
     body_timeout: seconds a client may take to send its body (slower: 408).
     stall_timeout: seconds a client may leave generated text unread before its request is cancelled.
     max_tokens_limit: the most tokens one request may generate (None: the rest of the context).
@@ -65,7 +66,8 @@ class ServerConfig:
     api_key: str | None = None
     metrics_key: str | None = None
     max_queue: int = 64
-    max_running: int = 1
+    max_running: int = DEFAULT_MAX_RUNNING
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 30.0
     stall_timeout: float = 30.0
@@ -79,8 +81,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"an empty {name.replace('_', ' ')} is refused: unset it to run without one")
-        if self.max_queue < 0 or self.max_running < 1 or self.max_body_bytes < 1:
-            raise ValueError("need max_queue >= 0, max_running >= 1 and max_body_bytes >= 1")
+        if self.max_queue < 0 or self.max_running < 1 or self.max_body_bytes < 1 or self.prefill_chunk < 1:
+            raise ValueError("need max_queue >= 0, max_running >= 1, prefill_chunk >= 1 and max_body_bytes >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError("max_tokens_limit must be >= 1")
         if self.body_timeout <= 0 or self.stall_timeout <= 0 or self.shutdown_timeout < 0:
@@ -115,7 +117,7 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
     registry = REGISTRY if registry is None else registry
     metrics = server_metrics(registry)
     scheduler = Scheduler(engine_factory, max_queue=config.max_queue, max_running=config.max_running,
-                          metrics=metrics, stall_timeout=config.stall_timeout)
+                          metrics=metrics, stall_timeout=config.stall_timeout, prefill_chunk=config.prefill_chunk)
     serving = OpenAIServing(scheduler, config.served_model_name, config.max_tokens_limit)
 
     @asynccontextmanager

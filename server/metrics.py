@@ -8,7 +8,8 @@ registering a name twice.
 
 Request metrics are updated by the scheduler as requests arrive, start and finish. Step
 figures (steps by kind, draft and accepted token counts, per-depth acceptance, tree-size and
-accepted-length histograms, the estimated speedup) are computed by the engine's
+accepted-length histograms, the estimated speedup; per target forward the batch size, the
+tree tokens and the speculative tokens) are computed by the engine's
 `engine.accounting.StepAccounting`; `StepCollector` only reads it (definitions there).
 """
 from __future__ import annotations
@@ -105,6 +106,13 @@ class StepCollector(Collector):
                                  acc.tree_size),
                                 ("bastion_accepted_length_tokens", "Tokens committed per step, bonus included",
                                  acc.accepted_length)):
+            yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
+        for name, doc, hist in (("bastion_batch_size_sequences", "Sequences per target forward (batched step)",
+                                 acc.batch_size),
+                                ("bastion_step_nodes_tokens", "Tree tokens per target forward, all sequences together "
+                                 "(roots included)", acc.step_nodes),
+                                ("bastion_step_speculative_tokens", "Drafted tree tokens per target forward, all "
+                                 "sequences together (roots excluded)", acc.step_speculative)):
             yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
         yield GaugeMetricFamily("bastion_estimated_speedup", "Estimated speedup over AR of the recent steps: AR step "
                                 "seconds x tokens per second over every step (1 for plain decoding)",

@@ -7,10 +7,13 @@ early (or closing it) cancels the request. The worker
 thread builds the engine (so loading never blocks the loop), times a one-token forward
 for the speedup estimate, then loops: admit waiting requests in arrival order up to
 `max_running`, and advance every running sequence together by one `engine.step_batch`
-(one target forward carries every running sequence's tree, each in its own KV slot). With
-`max_running=1` requests are decoded one at a time in arrival order. Each sequence keeps its
-own tree size today (the controller sizes trees per sequence); a request joins the batch
-after its prefill and leaves it when it finishes.
+(one target forward carries every running sequence's tree, each in its own KV slot; the
+adaptive controller sizes all the trees under one global budget). With `max_running=1`
+requests are decoded one at a time in arrival order. A newly admitted request takes its KV
+slot at once and is prefilled in chunks: each loop prefills at most `prefill_chunk` prompt
+tokens (oldest request first) before the running sequences' step, so a long prompt delays
+them by one chunk per step, not by its whole prefill. A request joins the batch after its
+prefill and leaves it when it finishes.
 
 Admission counts live requests only: at most `max_running + max_queue` requests are
 admitted or waiting at once (so `max_queue=0` means "no waiting room", not "refuse all").
@@ -37,6 +40,12 @@ from engine.sampling import RequestError, SamplingParams
 from server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+#: Sequences decoded together by default (one batched step).
+DEFAULT_MAX_RUNNING = 8
+#: Prompt tokens prefilled per scheduler loop by default (about 2 s of a 2-core CPU's forward
+#: for the 135M default, a few milliseconds on a GPU).
+DEFAULT_PREFILL_CHUNK = 512
 
 
 class QueueFullError(RuntimeError):
@@ -220,16 +229,22 @@ class Scheduler:
     max_queue: requests allowed to wait beyond the `max_running` being decoded (submit
     raises QueueFullError beyond `max_running + max_queue` live requests).
     max_running: sequences decoded together (one `engine.step_batch` per loop).
+    prefill_chunk: prompt tokens prefilled per loop, across the requests still prefilling (a
+    long prompt is prefilled in chunks between the running sequences' steps, so it delays
+    them by at most one chunk per step).
     metrics: ServerMetrics to update (None: no metrics).
     history: how many FinishedRequest records `recent` keeps (for tests and debugging).
     stall_timeout: seconds a client may leave delivered events unread before its request is
     cancelled (it stopped reading but kept the connection open).
     """
 
-    def __init__(self, engine_factory: Callable[[], Engine], max_queue: int = 64, max_running: int = 1,
-                 metrics: ServerMetrics | None = None, history: int = 256, stall_timeout: float = 30.0):
-        if max_queue < 0 or max_running < 1:
-            raise ValueError(f"need max_queue >= 0 and max_running >= 1, got {max_queue}, {max_running}")
+    def __init__(self, engine_factory: Callable[[], Engine], max_queue: int = 64, max_running: int = DEFAULT_MAX_RUNNING,
+                 metrics: ServerMetrics | None = None, history: int = 256, stall_timeout: float = 30.0,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if max_queue < 0 or max_running < 1 or prefill_chunk < 1:
+            raise ValueError(f"need max_queue >= 0, max_running >= 1 and prefill_chunk >= 1, got {max_queue}, "
+                             f"{max_running}, {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
         self.stall_timeout = float(stall_timeout)
         self._factory = engine_factory
         self.max_queue = max_queue
@@ -444,19 +459,28 @@ class Scheduler:
                         self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
                 return
             for req in admitted:
-                self._guarded(self._prefill, req)
+                self._guarded(self._admit, req)
             now = time.perf_counter()
-            batch = []
+            batch, prefilling = [], []
             for req in list(self._running):
-                if req.finish_reason is None and req.seq is not None and all(req is not a for a in admitted):
+                if req.finish_reason is None and req.seq is not None:
                     if req.stalled(now, self.stall_timeout):
                         log.info("%s: the client read nothing for %.0f s; cancelled", req.request_id,
                                  now - req.last_read)
                         req.cancel()
                     if req.cancelled:
                         self._guarded(self._cancel_running, req)
-                    else:
+                    elif req.seq.root < 0:
+                        prefilling.append(req)
+                    elif all(req is not a for a in admitted):
                         batch.append(req)
+            budget = self.prefill_chunk
+            for req in prefilling:  # FIFO: the oldest prompt first, one chunk's worth of tokens in all
+                if budget <= 0:
+                    break
+                n = min(budget, len(req.prompt_ids) - req.seq.prefilled)
+                budget -= n
+                self._guarded(lambda r, n=n: self._prefill_chunk(r, n), req)
             if batch:
                 self._step_batch(batch)
             with self._cv:
@@ -473,7 +497,8 @@ class Scheduler:
             if req.finish_reason is None:
                 self._fail(req, self._internal(req))
 
-    def _prefill(self, req: EngineRequest) -> None:
+    def _admit(self, req: EngineRequest) -> None:
+        """Take a KV slot for a newly admitted request (no forward yet); bad input fails it with a 4xx."""
         now = time.perf_counter()
         req.started = now
         if self.metrics is not None:
@@ -482,17 +507,26 @@ class Scheduler:
             self._finish(req, "cancelled", GenerationEvent([], "", "cancelled"))
             return
         try:
-            req.seq = self.engine.start(req.prompt_ids, req.params)
+            req.seq = self.engine.begin(req.prompt_ids, req.params)
         except RequestError as e:  # the engine refused the input before any work
             self._fail(req, RequestFailed(str(e), client_error=True, param=e.param))
-            return
+        except Exception:  # noqa: BLE001 - one request's failure must not stop the worker
+            log.exception("admission failed for %s", req.request_id)
+            self._fail(req, self._internal(req))
+
+    def _prefill_chunk(self, req: EngineRequest, n: int) -> None:
+        """Prefill the next n prompt tokens; after the last chunk deliver the first token."""
+        try:
+            ev = self.engine.prefill_step(req.seq, n)
         except Exception:  # noqa: BLE001 - one request's failure must not stop the worker
             log.exception("prefill failed for %s", req.request_id)
             self._fail(req, self._internal(req))
             return
+        if ev is None:
+            return
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self._deliver(req, req.seq.pending)
+        self._deliver(req, ev)
 
     def _cancel_running(self, req: EngineRequest) -> None:
         self._finish(req, "cancelled", GenerationEvent([], req.seq.detok.release(final=True), "cancelled"))

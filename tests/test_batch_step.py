@@ -209,3 +209,31 @@ def test_batched_dflash_pass_equals_one_pass_per_request(target_f32, random_draf
         assert b.token_ids.shape[0] == depth
         torch.testing.assert_close(b.logprobs, a.logprobs[:depth], atol=1e-4, rtol=1e-4)
         assert (b.token_ids[:, :4] == a.token_ids[:depth, :4]).float().mean() > 0.95
+
+
+def test_chunked_prefill_beside_running_sequences_equals_alone(target, alone):
+    """A prompt prefilled 3 tokens at a time by prefill_step, between steps of another sequence,
+    decodes exactly as when started in one go; step_batch refuses it until it is prefilled."""
+    eng = Engine(target)
+    other = eng.start(PROMPTS[0], SamplingParams(max_tokens=N))
+    outs = {0: list(other.pending.token_ids), 3: []}
+    seq = eng.begin(PROMPTS[3], SamplingParams(max_tokens=N))
+    with pytest.raises(ValueError, match="prefill"):
+        eng.step_batch([other, seq])
+    chunks = 0
+    while (ev := eng.prefill_step(seq, 3)) is None:
+        chunks += 1
+        outs[0].extend(eng.step(other).token_ids)
+    assert chunks == 3 and seq.prefix_len == len(PROMPTS[3])  # 10 tokens: 3 + 3 + 3, then the last 1
+    outs[3].extend(ev.token_ids)
+    with pytest.raises(ValueError, match="prefilling"):
+        eng.prefill_step(seq, 3)
+    live = {0: other, 3: seq}
+    while live:
+        order = sorted(live)
+        for i, ev in zip(order, eng.step_batch([live[i] for i in order])):
+            outs[i].extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                del live[i]
+    assert outs[0] == alone[0] and outs[3] == alone[3]
+    assert eng.pool.free_slots == eng.pool.num_slots

@@ -1,4 +1,4 @@
-"""One global tree budget over a batched step (docs/method.md, section 8): the merged best-first
+"""One global tree budget over a batched step (docs/method.md, section 9): the merged best-first
 order against brute force, the batched cost model, the batch policy's rule and the controller's
 batched bookkeeping."""
 from __future__ import annotations

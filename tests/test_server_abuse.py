@@ -33,12 +33,14 @@ class _Detok:
 
 
 class _Seq:
-    def __init__(self, params):
+    def __init__(self, params, prompt_len):
         self.params = params
         self.n = 1
         self.detok = _Detok()
-        finish = "length" if params.max_tokens <= 1 else None
-        self.pending = GenerationEvent([7], "a", finish, None)
+        self.prompt_len = prompt_len
+        self.prefilled = 0
+        self.root = -1
+        self.pending = None
 
 
 class FakeEngine:
@@ -51,6 +53,7 @@ class FakeEngine:
         self.fail_start: BaseException | None = None
         self.fail_template: BaseException | None = None
         self.held: set[int] = set()  # ids of sequences whose KV slot is not given back
+        self.prefill_chunks: list[int] = []  # max_tokens of every prefill_step call
 
     def tokenizer(self, text, add_special_tokens=False):
         return {"input_ids": [1]}
@@ -69,12 +72,32 @@ class FakeEngine:
                          encode_text=lambda text: [1, 2], check_length=self.check_length)
 
     def start(self, prompt_ids, params):
+        seq = self.begin(prompt_ids, params)
+        while self.prefill_step(seq, 4) is None:
+            pass
+        return seq
+
+    def begin(self, prompt_ids, params):
         if self.fail_start is not None:
             raise self.fail_start
         params.validate()
-        seq = _Seq(params)
+        seq = _Seq(params, len(prompt_ids))
         self.held.add(id(seq))
         return seq
+
+    def prefill_step(self, seq, max_tokens):
+        """Prefill in chunks of max_tokens (each takes step_s); the last one yields the first token."""
+        time.sleep(self.step_s)
+        seq.prefilled = min(seq.prefilled + max_tokens, seq.prompt_len)
+        self.prefill_chunks.append(max_tokens)
+        if seq.prefilled < seq.prompt_len:
+            return None
+        seq.root = 7
+        finish = "length" if seq.params.max_tokens <= 1 else None
+        seq.pending = GenerationEvent([7], "a", finish, None)
+        if finish is not None:
+            self.release(seq)
+        return seq.pending
 
     def release(self, seq) -> None:
         self.held.discard(id(seq))
@@ -420,3 +443,32 @@ def test_serve_refuses_an_open_bind_without_a_key():
     assert server_config(p.parse_args([])).loopback_only
     with pytest.raises(ValueError, match="empty"):
         server_config(p.parse_args(["--api-key", ""]))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps():
+    """A prompt of 40 tokens with prefill_chunk=4 takes 10 loops; the running request gets a token
+    in each of them instead of waiting for the whole prefill."""
+    from engine.sampling import SamplingParams
+
+    eng = FakeEngine(step_s=0.005)
+    sched = started(Scheduler(factory(eng), max_queue=4, max_running=2, prefill_chunk=4))
+    try:
+        running = request("running", max_tokens=400)
+        sched.submit(running)
+        wait_for(lambda: len(running.events) >= 2)
+        long = EngineRequest("long", list(range(40)), SamplingParams(max_tokens=3), lambda ev: None)
+        sched.submit(long)
+        wait_for(lambda: long.seq is not None)
+        before = len(running.events)
+        wait_for(lambda: long.first_token is not None)
+        during = len(running.events) - before
+        assert during >= 8  # about one step of the running request per 4-token chunk
+        assert eng.prefill_chunks[-10:] == [4] * 10
+        wait_for(lambda: long.finish_reason == "length")
+        running.cancel()
+        wait_for(lambda: running.finish_reason == "cancelled")
+        assert not eng.held
+    finally:
+        sched.shutdown(1.0)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Scheduler(factory(eng), prefill_chunk=0)
