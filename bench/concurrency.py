@@ -68,8 +68,10 @@ def run_cell(engine: Engine, mode: str, prompts: list[list[int]], clients: int, 
     """
     sched = Scheduler(lambda: engine, max_queue=clients, max_running=max_running or clients)
     sched.start()
-    if not sched.ready.wait(600):
-        raise RuntimeError(f"the scheduler did not start: {sched.load_error}")
+    deadline = time.monotonic() + 600
+    while not sched.ready.wait(0.05):
+        if sched.load_error is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the scheduler did not start: {sched.load_error!r}")
     plan = _client_plan(prompts, clients, per_client)
     finished: list[tuple[int, EngineRequest, list[int]]] = []
     lock = threading.Lock()

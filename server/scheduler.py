@@ -428,7 +428,7 @@ class Scheduler:
     def _time_one_token(self) -> float:
         """Seconds of a one-token prefill (the AR step time before any root-only step is seen)."""
         eng = self.engine
-        ids = eng.tokenizer("Hi", add_special_tokens=False)["input_ids"][:1] or [0]
+        ids = [0]  # any token: a one-token forward costs the same for every id
         params = SamplingParams(temperature=0.0, max_tokens=1)
         eng.release(eng.start(ids, params))  # warm-up
         t0 = time.perf_counter()
