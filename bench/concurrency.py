@@ -82,8 +82,12 @@ def run_cell(engine: Engine, mode: str, prompts: list[list[int]], clients: int, 
         for i in plan[j]:
             done = threading.Event()
             tokens: list[int] = []
+            holder: list[EngineRequest] = []
 
-            def sink(item, tokens=tokens, done=done):
+            def sink(item, tokens=tokens, done=done, holder=holder):
+                req = holder[0]
+                req.read += 1  # the client reads every event at once (a stalled reader gets cancelled)
+                req.last_read = time.perf_counter()
                 ids = getattr(item, "token_ids", None)
                 if ids is None:  # a RequestFailed
                     errors.append(str(item))
@@ -91,9 +95,12 @@ def run_cell(engine: Engine, mode: str, prompts: list[list[int]], clients: int, 
                     return
                 tokens.extend(ids)
                 if item.finish_reason is not None:
+                    if item.finish_reason not in ("stop", "length"):
+                        errors.append(f"request {req.request_id} finished '{item.finish_reason}'")
                     done.set()
 
             req = EngineRequest(sched.new_id("bench"), prompts[i], params, sink)
+            holder.append(req)
             sched.submit(req)
             if not done.wait(timeout_s):
                 errors.append(f"request {req.request_id} timed out")
