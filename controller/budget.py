@@ -1,18 +1,23 @@
 """The budget controller: the engine's adaptive StepController (mode `bastion`).
 
 Per step the engine asks, in order (engine/engine.py, `Engine.step`):
-    if controller.should_draft():
+    if controller.should_draft(b):
         proposal = controller.correct(drafter.propose(...))   # identity unless correction is on
-    else:
+    elif controller.allow_cheap(b):
         proposal = drafter.propose_cheap(...)                 # the drafter's free part, or None
     tree = build_tree(root, proposal, controller.policy_for_step(c), max_depth)
+    # b >= 2 sequences: build_trees(roots, proposals, controller.batch_policy(contexts), ...)
     ... verify, accept, compact ...
-    controller.observe(stats, tree)                           # the step's StepStats and Tree
+    controller.observe(stats, tree)                           # or observe_batch(stats, trees)
+
+b is the number of sequences in the step (one gate per batch-size class, for the full drafter
+and for its free part). Each gate judges its steps by their realised tokens per second over a
+plain step's: measured plain steps at that batch size where they have run, else predicted.
 
 `observe` feeds the online profiler, the AR gate and the surrogate check (`record_step`),
 then exports the controller's own gauges. Step figures every mode shares (speedup, tree
 sizes, accepted lengths) are the engine's step accounting (engine/accounting.py), not here.
-The method is described in docs/method.md, section 8.
+The method is described in docs/method.md, sections 8 and 9.
 """
 from __future__ import annotations
 
@@ -71,11 +76,13 @@ class BudgetController:
         self._gate_proto = (self.gate.alpha, self.gate.threshold, self.gate.probe_steps, self.gate.reprobe_steps,
                             self.gate.base_backoff, self.gate.max_backoff)
         self._batch_gates: dict[int, SpeculationGate] = {}
+        # The drafter's free part is judged too: a cheap tree still costs C(n) - C(1) to verify.
+        self._cheap_gates: dict[int, SpeculationGate] = {}
         self.seq_overhead = RunningMean(0.1, max(float(seq_overhead), 0.0))
         self.seq_overhead.count = 1  # the calibrated value is the first sample: online ones refine it
         self._batch_draft: dict[int, RunningMean] = {}
         self._batch_other: dict[int, RunningMean] = {}
-        self._batch_plain: dict[int, RunningMean] = {}  # measured seconds of a roots-only batched step
+        self._batch_plain: dict[int, RunningMean] = {}  # measured seconds of a plain step, per batch size
         self.batch_steps = 0
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         self._ar_overhead = RunningMean(0.1)
@@ -161,11 +168,31 @@ class BudgetController:
         """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of batch_size."""
         if batch_size <= 1:
             return self.gate
-        key = 1 << (int(batch_size) - 1).bit_length()
-        gate = self._batch_gates.get(key)
+        return self._class_gate(self._batch_gates, batch_size)
+
+    def cheap_gate_for(self, batch_size: int) -> SpeculationGate:
+        """The gate of the drafter's free proposals (`Drafter.propose_cheap`) for a batch-size class."""
+        return self._class_gate(self._cheap_gates, batch_size)
+
+    def _class_gate(self, table: dict[int, SpeculationGate], batch_size: int) -> SpeculationGate:
+        key = 1 if batch_size <= 1 else 1 << (int(batch_size) - 1).bit_length()
+        gate = table.get(key)
         if gate is None:
-            gate = self._batch_gates[key] = SpeculationGate(*self._gate_proto)
+            gate = table[key] = SpeculationGate(*self._gate_proto)
         return gate
+
+    def allow_cheap(self, batch_size: int = 1) -> bool:
+        """False when the drafter's free proposals currently cost more than they buy at this batch
+        size (their trees still cost verification): decode the step plainly."""
+        return self.cheap_gate_for(batch_size).should_draft()
+
+    def plain_step_seconds(self, context_len: int, batch_size: int = 1) -> float:
+        """Seconds of a plain step: measured (running mean of recent plain steps at this batch size)
+        where one has run, else predicted (C(1, c) plus the measured AR overhead for one sequence)."""
+        m = self._batch_plain.get(batch_size)
+        if m is not None and m.count:
+            return m.value
+        return self.ar_step_seconds(context_len)
 
     # ---- batched steps ----------------------------------------------------------------
 
@@ -216,7 +243,16 @@ class BudgetController:
             self._batch_plain.setdefault(b, RunningMean(0.2)).add(first.verify_s + first.other_s)
         predicted = base + self.seq_overhead.value * (b - 1)
         drafted = any(st.drafted for st in stats)
+        cheap = not drafted and any(st.cheap for st in stats)
         gate = self.gate_for(b)
+        if cheap:
+            predicted_plain = (model.predict_batch(b, b, c_total) + self.seq_overhead.value * (b - 1)
+                               + self._ar_overhead.value)
+            plain = self._batch_mean(self._batch_plain, b, predicted_plain)
+            step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
+            self.cheap_gate_for(b).record(True, sum(st.accepted for st in stats) * plain / (b * step_s))
+        else:
+            self.cheap_gate_for(b).record(False)
         if drafted:
             self._batch_draft.setdefault(b, RunningMean(0.3)).add(first.draft_s)
             self._batch_other.setdefault(b, RunningMean(0.3)).add(first.other_s)
@@ -262,15 +298,19 @@ class BudgetController:
         costs = self.verify_costs(c)
         predicted = costs[s] if s < len(costs) else self.model.predict(s, c)
         self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
+        step_s = max(draft_s + verify_s + other_s, 1e-12)
         if drafted:
-            step_s = max(draft_s + verify_s + other_s, 1e-12)
-            self.gate.record(True, accepted * self.ar_step_seconds(c) / step_s)
+            self.gate.record(True, accepted * self.plain_step_seconds(c) / step_s)
             self.surrogate.record(a_hat, accepted, depth_mass)
         else:
             if s == 1:
                 self._ar_overhead.add(verify_s + other_s - costs[1])
+                self._batch_plain.setdefault(1, RunningMean(0.2)).add(step_s)
             if cheap:
                 self.surrogate.record(a_hat, accepted, depth_mass)
+                self.cheap_gate_for(1).record(True, accepted * self.plain_step_seconds(c) / step_s)
+            else:
+                self.cheap_gate_for(1).record(False)
             self.gate.record(False)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
@@ -311,6 +351,7 @@ class BudgetController:
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
             "surrogate": sur, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
             "batch_gate_pauses": {str(k): g.switches_off for k, g in sorted(self._batch_gates.items())},
+            "cheap_gate_pauses": {str(k): g.switches_off for k, g in sorted(self._cheap_gates.items())},
         }
 
     def update_table(self, context_len: int) -> None:

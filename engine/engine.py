@@ -131,6 +131,10 @@ class StepController(Protocol):
         propose). batch_size: sequences in the step."""
         ...
 
+    def allow_cheap(self, batch_size: int = 1) -> bool:
+        """On a step where `should_draft` is False: may the drafter's free part still propose?"""
+        ...
+
     def batch_policy(self, contexts: list[int]) -> BatchStoppingPolicy | None:
         """One global stopping policy for a batched step over sequences caching `contexts` tokens
         (engine.tree.build_trees), or None: every sequence builds its tree with `policy_for_step`."""
@@ -159,6 +163,9 @@ class FixedController:
         return self.policy
 
     def should_draft(self, batch_size: int = 1) -> bool:
+        return True
+
+    def allow_cheap(self, batch_size: int = 1) -> bool:
         return True
 
     def batch_policy(self, contexts: list[int]) -> None:
@@ -385,7 +392,7 @@ class Engine:
                         proposals[r] = drafter.propose(seqs[r].drafter_state, seqs[r].root, depths[r])
                     except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
                         failed[r] = e
-        elif want:  # the full drafter does not pay now; its free part (if any) still may
+        elif want and controller.allow_cheap(b):  # the full drafter does not pay now; its free part may
             for r in want:
                 try:
                     proposals[r] = drafter.propose_cheap(seqs[r].drafter_state, seqs[r].root, depths[r])

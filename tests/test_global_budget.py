@@ -158,3 +158,21 @@ def test_each_batch_size_class_has_its_own_gate():
     assert ctl.should_draft(1) and ctl.should_draft(2)
     snap = ctl.snapshot()
     assert snap["batch_gate_pauses"] == {"2": 0, "4": 0, "8": 1}
+
+
+def test_losing_cheap_proposals_are_turned_off_and_plain_steps_are_measured():
+    """The drafter's free trees are judged like drafted ones: cheap steps that accept nothing
+    while costing twice a plain step switch them off; plain steps set the measured baseline."""
+    ctl = _controller()
+    for _ in range(5):
+        ctl.record_step(1, 500, 0.05, 0.0, 0.01, 1.0, 1, drafted=False)
+    assert abs(ctl.plain_step_seconds(500) - 0.06) < 1e-9  # measured, not the model's C(1)
+    assert ctl.allow_cheap(1)
+    for _ in range(3):
+        if not ctl.allow_cheap(1):
+            break
+        ctl.record_step(8, 500, 0.11, 0.0, 0.01, 2.0, 1, drafted=False, cheap=True)
+    assert not ctl.allow_cheap(1) and ctl.should_draft(1)  # the full drafter's gate is separate
+    assert ctl.snapshot()["cheap_gate_pauses"] == {"1": 1}
+    # Batched: the class of 8 has its own cheap gate.
+    assert ctl.allow_cheap(8)
