@@ -157,7 +157,7 @@ def markdown(cells: list[Cell]) -> str:
 def run_concurrency(engines: dict[str, Engine], prompts: list[list[int]], levels: list[int], per_client: int,
                     params: SamplingParams, out: Path | None = None, progress: bool = True) -> list[Cell]:
     """Every mode of `engines` (name -> Engine; 'serial-ar' runs with max_running 1) at every
-    concurrency level, in order. At temperature 0 the outputs of the first AR mode ('serial-ar',
+    concurrency level: all modes at the first level, then all at the next, and so on. At temperature 0 the outputs of the first AR mode ('serial-ar',
     else 'ar') are the references the others' mismatches count against (the reference mode's
     own cells are checked against its first). A warm-up request per mode runs untimed. With
     `out`, writes concurrency.json and concurrency.md there after every cell.
@@ -169,11 +169,13 @@ def run_concurrency(engines: dict[str, Engine], prompts: list[list[int]], levels
     refs: dict[int, list[int]] | None = {} if params.greedy else None
     ref_mode = next((m for m in ("serial-ar", "ar") if m in engines), None)
     cells: list[Cell] = []
+    warm = SamplingParams(temperature=params.temperature, max_tokens=4, seed=params.seed, ignore_eos=params.ignore_eos)
     for mode, engine in engines.items():
-        warm = SamplingParams(temperature=params.temperature, max_tokens=4, seed=params.seed,
-                              ignore_eos=params.ignore_eos)
         run_cell(engine, mode, prompts[:1], 1, 1, warm)
-        for k in levels:
+    # Level-major: every mode runs at one concurrency before the next, so a machine that slows
+    # down over the run slows every mode of a level alike.
+    for k in levels:
+        for mode, engine in engines.items():
             check = refs if refs is not None and (mode != ref_mode or refs) else None
             cell = run_cell(engine, mode, prompts, k, per_client, params, check,
                             max_running=1 if mode == "serial-ar" else k)

@@ -179,6 +179,12 @@ class BudgetController:
         gate = table.get(key)
         if gate is None:
             gate = table[key] = SpeculationGate(*self._gate_proto)
+            # Speculation pays less as the batch grows (each node costs more of a busier forward): a
+            # class starts paused, with its backoff, where the next smaller class has found a loss.
+            smaller = self.gate if table is self._batch_gates and key == 2 else table.get(key // 2)
+            if smaller is not None and not smaller.should_draft():
+                gate.backoff = smaller.backoff
+                gate.pause()
         return gate
 
     def allow_cheap(self, batch_size: int = 1) -> bool:

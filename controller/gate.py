@@ -67,6 +67,10 @@ class SpeculationGate:
         else:
             self._turn_off()
 
+    def pause(self) -> None:
+        """Turn drafting off now, for the current backoff (as after a losing probe)."""
+        self._turn_off()
+
     def _turn_off(self) -> None:
         self.wait = self.backoff
         self.backoff = min(2 * self.backoff, self.max_backoff)

@@ -25,7 +25,7 @@ def test_every_mode_and_level_serves_the_same_outputs_and_batches(tmp_path):
                "ar": Engine(target, None, make_controller("ar")),
                "tree-8": Engine(target, drafter, make_controller("tree", 8))}
     cells = run_concurrency(engines, PROMPTS, [1, 3], 2, SamplingParams(max_tokens=12), out=tmp_path, progress=False)
-    assert [(c.mode, c.concurrency) for c in cells] == [(m, k) for m in engines for k in (1, 3)]
+    assert [(c.mode, c.concurrency) for c in cells] == [(m, k) for k in (1, 3) for m in engines]  # level-major
     for c in cells:
         assert c.mismatches == 0 and c.requests == 2 * c.concurrency and c.tokens == 12 * c.requests
         assert c.tokens_per_s > 0 and c.tpot_s > 0 and c.ttft_s > 0

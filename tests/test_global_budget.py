@@ -158,6 +158,8 @@ def test_each_batch_size_class_has_its_own_gate():
     assert ctl.should_draft(1) and ctl.should_draft(2)
     snap = ctl.snapshot()
     assert snap["batch_gate_pauses"] == {"2": 0, "4": 0, "8": 1}
+    # A larger class, first seen after the class of 8 found a loss, starts paused with its backoff.
+    assert not ctl.should_draft(12) and ctl.gate_for(16).wait == ctl.gate_for(8).backoff
 
 
 def test_losing_cheap_proposals_are_turned_off_and_plain_steps_are_measured():
