@@ -97,7 +97,7 @@ def run(args) -> int:
     if args.concurrency is not None:
         if not args.concurrency or min(args.concurrency) < 1 or args.requests_per_client < 1:
             raise ValueError("--concurrency needs levels >= 1 and --requests-per-client >= 1")
-        from bench.concurrency import CONCURRENCY_MODES
+        from bastion.concurrency import CONCURRENCY_MODES
 
         requested = args.modes or list(CONCURRENCY_MODES)
         bad = [m for m in requested if m in ("ar-hf", "pld")]
@@ -169,8 +169,8 @@ def run(args) -> int:
 
 
 def _run_concurrency(args, target, drafter, modes, prompt_sets, bastion_controller, max_new, out) -> int:
-    """`--concurrency`: every mode at every level through the batching scheduler (bench/concurrency.py)."""
-    from bench.concurrency import markdown, run_concurrency
+    """`--concurrency`: every mode at every level through the batching scheduler (bastion/concurrency.py)."""
+    from bastion.concurrency import markdown, run_concurrency
     from bench.modes import build_modes
     from bench.runner import chat_encoder
     from engine.engine import Engine, make_controller

@@ -1,11 +1,11 @@
-"""`bastion bench --concurrency`: closed-loop clients against the batching scheduler (bench/concurrency.py)."""
+"""`bastion bench --concurrency`: closed-loop clients against the batching scheduler (bastion/concurrency.py)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from bench.concurrency import _client_plan, markdown, run_concurrency
+from bastion.concurrency import _client_plan, markdown, run_concurrency
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
 from helpers import ShuffledMarginalsDrafter, tiny_target
