@@ -199,7 +199,9 @@ def make_controller(mode: str, budget: int = 32, block_size: int = 16) -> FixedC
 
 
 class Engine:
-    """Single-request tree speculative decoding over a loaded target.
+    """Tree speculative decoding over a loaded target: one sequence per step (`step`) or several
+    verified in one forward (`step_batch`, their trees under one global budget when the controller
+    gives one); prompts are prefilled whole (`start`) or in chunks (`begin` + `prefill_step`).
 
     target: the loaded Target. drafter: a Drafter or None (AR only).
     controller: a StepController (default: AR, one node per step).
@@ -361,8 +363,9 @@ class Engine:
         One drafter pass over every sequence that drafts (`Drafter.propose_batch`; if it fails,
         each sequence is retried alone so the failure stays with its own). With two sequences or
         more and a controller that has a global policy, one best-first heap over all their
-        candidates decides every tree's size (engine.tree.build_trees); otherwise each sequence
-        builds its own tree with `policy_for_step`.
+        candidates decides every tree's size (engine.tree.build_trees); otherwise, or when a
+        proposal fails while the heap reads it, each sequence builds its own tree with
+        `policy_for_step`.
         """
         drafter, controller = self.drafter, self.controller
         b = len(seqs)
@@ -406,14 +409,23 @@ class Engine:
                 except Exception as e:  # noqa: BLE001
                     failed[r] = e
         live = [r for r in live if r not in failed]
-        max_depths = [depths[r] if proposals.get(r) is not None else 0 for r in live]
+        max_depths = {r: depths[r] if proposals.get(r) is not None else 0 for r in live}
+        trees: dict[int, Tree] = {}
         if batch_policy is not None:
-            trees = build_trees([seqs[r].root for r in live], [proposals.get(r) for r in live], batch_policy,
-                                max_depths)
-        else:
-            trees = [build_tree(seqs[r].root, proposals.get(r), policies[r], d) for r, d in zip(live, max_depths)]
+            try:
+                trees = dict(zip(live, build_trees([seqs[r].root for r in live], [proposals.get(r) for r in live],
+                                                   batch_policy, [max_depths[r] for r in live])))
+            except Exception:  # noqa: BLE001 - a proposal failed while read: build each tree alone to find it
+                trees = {}
+        for r in live:
+            if r not in trees:
+                try:
+                    policy = policies[r] or controller.policy_for_step(seqs[r].prefix_len)
+                    trees[r] = build_tree(seqs[r].root, proposals.get(r), policy, max_depths[r])
+                except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
+                    failed[r] = e
         plans = {}
-        for r, tree in zip(live, trees):
+        for r, tree in trees.items():
             # A tree larger than the slot's room past the prefix (only a policy above TREE_HEADROOM
             # nodes can build one) is cut to its best prefix-closed part.
             tree = tree.head(self.pool.capacity - seqs[r].prefix_len)

@@ -93,7 +93,7 @@ def batch_verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str
     """measure(b, n, c) -> seconds of one `verify_batch` of b trees of n nodes each, every tree
     over its own slot of c cached tokens (the batched step's forward; see `verify_timer`).
 
-    The slots are filled once per c by real prefills; max_batch: slots held. On CUDA the device
+    Slot 0 is filled once per c by a real prefill and copied to the others; max_batch: slots held. On CUDA the device
     is synchronised around the forward. Raises ValueError when b > max_batch,
     CacheCapacityError when c + n exceeds the capacity.
     """
@@ -116,9 +116,10 @@ def batch_verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str
         if state.get("c") != c:
             if c > 0:
                 ids = torch.randint(0, vocab, (c,), generator=gen).to(dev)
-                for slot in range(max_batch):
-                    forward(pool, ids, torch.arange(c, device=dev), [Segment(slot, 0, c)], last_only=True,
-                            backend=backend)
+                forward(pool, ids, torch.arange(c, device=dev), [Segment(0, 0, c)], last_only=True, backend=backend)
+                # The other slots get copies: a forward's cost does not depend on the cached values.
+                for kv in (pool.keys, pool.values):
+                    kv[:, 1:, :, :c] = kv[:, :1, :, :c]
             state["c"] = c
         trees = [buffers[r].load(_chain_tree(n, vocab, gen), c) for r in range(b)]
         sync()

@@ -237,3 +237,37 @@ def test_chunked_prefill_beside_running_sequences_equals_alone(target, alone):
                 del live[i]
     assert outs[0] == alone[0] and outs[3] == alone[3]
     assert eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(target, alone8):
+    """Under the global budget a proposal is read inside the shared heap; when one raises there,
+    the trees are rebuilt alone, that sequence gets its error and the others their exact output."""
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS8, alone8)}
+
+    class Broken:
+        def source(self, top_k):
+            raise RuntimeError("broken proposal")
+
+    class BreaksForOnePrompt(PromptOracle):
+        def propose(self, state, root, max_depth):
+            if state["ref"][: len(PROMPTS8[2])] == PROMPTS8[2] and state["n"] > len(PROMPTS8[2]) + 2:
+                return Broken()
+            return super().propose(state, root, max_depth)
+
+    eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), _bastion_controller())
+    seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS8[:4])}
+    outs = {i: list(s.pending.token_ids) for i, s in seqs.items()}
+    errors = {}
+    while seqs:
+        order = sorted(seqs)
+        for i, out in zip(order, eng.step_batch([seqs[i] for i in order])):
+            if isinstance(out, Exception):
+                errors[i] = out
+                del seqs[i]
+                continue
+            outs[i].extend(out.token_ids)
+            if out.finish_reason is not None:
+                del seqs[i]
+    assert set(errors) == {2} and "broken proposal" in str(errors[2])
+    assert all(outs[i] == alone8[i] for i in (0, 1, 3))
+    assert eng.pool.free_slots == eng.pool.num_slots
