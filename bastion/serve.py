@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=_env("MAX_RUNNING", "8"),
                    help="sequences decoded together; each step verifies all their trees in one forward, sized "
                         "by one global budget (default 8)")
-    p.add_argument("--prefill-chunk", type=int, default=_env("PREFILL_CHUNK", "512"),
+    p.add_argument("--prefill-chunk", type=int, default=_env("PREFILL_CHUNK", "256"),
                    help="prompt tokens prefilled between two decoding steps, so a long prompt does not stall "
-                        "the running requests (default 512)")
+                        "the running requests (default 256)")
     p.add_argument("--max-connections", type=int, default=_env("MAX_CONNECTIONS", "256"),
                    help="open connections allowed; more get HTTP 503 from uvicorn (default 256)")
     p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None),

@@ -47,8 +47,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF id, model folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=env("drafter", None),
                         help="DFlash checkpoint folder or HF id; 'suffix' (model-free suffix index); 'dflash' (the "
-                             "target's shipped DFlash); 'X+suffix' (DFlash X merged with the suffix index); 'none' "
-                             "(default for the embedded target: dflash+suffix)")
+                             "target's shipped DFlash); 'X+suffix' (DFlash X merged with the suffix index); 'none' (no "
+                             "drafter). Default: dflash+suffix for the embedded target")
     parser.add_argument("--mode", default=env("mode", None), choices=MODES,
                         help="decoding mode (default: bastion with a drafter, else ar)")
     parser.add_argument("--budget", type=int, default=env("budget", "32"), help="tree size for --mode tree")

@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 #: Sequences decoded together by default (one batched step).
 DEFAULT_MAX_RUNNING = 8
-#: Prompt tokens prefilled per scheduler loop by default (about 2 s of a 2-core CPU's forward
-#: for the 135M default, a few milliseconds on a GPU).
-DEFAULT_PREFILL_CHUNK = 512
+#: Prompt tokens prefilled per scheduler loop by default: about 1 s of a 2-core CPU's forward for
+#: the 135M default (running requests wait that long per chunk), a few milliseconds on a GPU.
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class QueueFullError(RuntimeError):
