@@ -193,12 +193,16 @@ class BudgetController:
         return self.cheap_gate_for(batch_size).should_draft()
 
     def plain_step_seconds(self, context_len: int, batch_size: int = 1) -> float:
-        """Seconds of a plain step: measured (running mean of recent plain steps at this batch size)
-        where one has run, else predicted (C(1, c) plus the measured AR overhead for one sequence)."""
+        """Seconds of a plain step of batch_size sequences caching context_len tokens in all:
+        measured (running mean of recent plain steps at this batch size) where one has run, else
+        predicted (C_b(b) plus the per-sequence overhead and the measured AR overhead)."""
         m = self._batch_plain.get(batch_size)
         if m is not None and m.count:
             return m.value
-        return self.ar_step_seconds(context_len)
+        if batch_size <= 1:
+            return self.ar_step_seconds(context_len)
+        return (self.model.predict_batch(batch_size, batch_size, context_len)
+                + self.seq_overhead.value * (batch_size - 1) + self._ar_overhead.value)
 
     # ---- batched steps ----------------------------------------------------------------
 
@@ -251,25 +255,16 @@ class BudgetController:
         drafted = any(st.drafted for st in stats)
         cheap = not drafted and any(st.cheap for st in stats)
         gate = self.gate_for(b)
-        if cheap:
-            predicted_plain = (model.predict_batch(b, b, c_total) + self.seq_overhead.value * (b - 1)
-                               + self._ar_overhead.value)
-            plain = self._batch_mean(self._batch_plain, b, predicted_plain)
-            step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
-            self.cheap_gate_for(b).record(True, sum(st.accepted for st in stats) * plain / (b * step_s))
-        else:
-            self.cheap_gate_for(b).record(False)
         if drafted:
             self._batch_draft.setdefault(b, RunningMean(0.3)).add(first.draft_s)
             self._batch_other.setdefault(b, RunningMean(0.3)).add(first.other_s)
-            predicted_plain = (model.predict_batch(b, b, c_total) + self.seq_overhead.value * (b - 1)
-                               + self._ar_overhead.value)
-            plain = self._batch_mean(self._batch_plain, b, predicted_plain)
+        gain = None
+        if drafted or cheap:
             step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
             # Realised tokens/s over a plain batched step's (b tokens per plain step).
-            gate.record(True, sum(st.accepted for st in stats) * plain / (b * step_s))
-        else:
-            gate.record(False)
+            gain = sum(st.accepted for st in stats) * self.plain_step_seconds(c_total, b) / (b * step_s)
+        gate.record(drafted, gain)
+        self.cheap_gate_for(b).record(cheap, gain)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 self.surrogate.record(st.a_hat, st.accepted,

@@ -9,7 +9,7 @@ import torch
 from engine.forward import Segment, target_forward_for
 from engine.tree import Tree
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import verify, verify_batch
+from engine.verifier import verify_batch
 
 
 class StepClock:
@@ -59,33 +59,8 @@ def verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str = "sd
     (default: the target's whole position range). On CUDA the device is synchronised
     around the forward. Raises CacheCapacityError when c + s exceeds the capacity.
     """
-    forward = target_forward_for(model)
-    pool = forward.new_pool(1, capacity or forward.max_positions)
-    buffers = TreeBufferPool(model.device)
-    vocab = model.config.vocab_size
-    dev = model.device
-    gen = torch.Generator().manual_seed(0)
-    state: dict = {}
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    @torch.inference_mode()
-    def measure(s: int, c: int) -> float:
-        if state.get("c") != c:
-            if c > 0:
-                ids = torch.randint(0, vocab, (c,), generator=gen).to(dev)
-                forward(pool, ids, torch.arange(c, device=dev), [Segment(0, 0, c)], last_only=True, backend=backend)
-            state["c"] = c
-        device_tree = buffers.load(_chain_tree(s, vocab, gen), c)
-        sync()
-        t0 = time.perf_counter()
-        verify(forward, pool, 0, device_tree, feature_layers, backend=backend)
-        sync()
-        return time.perf_counter() - t0
-
-    return measure
+    measure = batch_verify_timer(model, feature_layers, backend, capacity, max_batch=1)
+    return lambda s, c: measure(1, s, c)
 
 
 def batch_verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str = "sdpa",

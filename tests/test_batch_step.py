@@ -70,6 +70,23 @@ def run_batched(eng: Engine, params: list[SamplingParams], join_after: int = 2, 
     return outs
 
 
+def step_all(eng: Engine, seqs: dict) -> tuple[dict, dict]:
+    """Step the started sequences together until each finishes or fails: (outputs, errors) by key."""
+    outs = {i: list(s.pending.token_ids) for i, s in seqs.items()}
+    errors = {}
+    while seqs:
+        order = sorted(seqs)
+        for i, out in zip(order, eng.step_batch([seqs[i] for i in order])):
+            if isinstance(out, Exception):
+                errors[i] = out
+                del seqs[i]
+                continue
+            outs[i].extend(out.token_ids)
+            if out.finish_reason is not None:
+                del seqs[i]
+    return outs, errors
+
+
 @pytest.mark.parametrize("mode,budget", [("ar", 1), ("chain", 16), ("tree", 16)])
 def test_each_output_in_a_batch_equals_it_served_alone(target, alone, mode, budget):
     refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
@@ -120,18 +137,7 @@ def test_a_sequence_whose_drafter_fails_is_dropped_and_the_others_go_on(target, 
 
     eng = Engine(target, FailsForOnePrompt(refs, decoy_every=3), make_controller("tree", 8))
     seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS)}
-    outs = {i: list(s.pending.token_ids) for i, s in seqs.items()}
-    errors = {}
-    while seqs:
-        order = sorted(seqs)
-        for i, out in zip(order, eng.step_batch([seqs[i] for i in order])):
-            if isinstance(out, Exception):
-                errors[i] = out
-                del seqs[i]
-                continue
-            outs[i].extend(out.token_ids)
-            if out.finish_reason is not None:
-                del seqs[i]
+    outs, errors = step_all(eng, seqs)
     assert set(errors) == {1} and "drafter bug" in str(errors[1])
     assert all(outs[i] == alone[i] for i in (0, 2, 3))
     assert eng.pool.free_slots == eng.pool.num_slots  # the failed sequence's slot came back too
@@ -256,18 +262,7 @@ def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(ta
 
     eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), _bastion_controller())
     seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS8[:4])}
-    outs = {i: list(s.pending.token_ids) for i, s in seqs.items()}
-    errors = {}
-    while seqs:
-        order = sorted(seqs)
-        for i, out in zip(order, eng.step_batch([seqs[i] for i in order])):
-            if isinstance(out, Exception):
-                errors[i] = out
-                del seqs[i]
-                continue
-            outs[i].extend(out.token_ids)
-            if out.finish_reason is not None:
-                del seqs[i]
+    outs, errors = step_all(eng, seqs)
     assert set(errors) == {2} and "broken proposal" in str(errors[2])
     assert all(outs[i] == alone8[i] for i in (0, 1, 3))
     assert eng.pool.free_slots == eng.pool.num_slots
