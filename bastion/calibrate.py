@@ -40,7 +40,7 @@ def measure_surrogate(engine_target, drafter, model, prompt_ids: list[list[int]]
 
     controller = BudgetController(model, default_settings(engine_target.model.device), registry=CollectorRegistry(),
                            max_depth=drafter.max_depth, surrogate_correction=False,
-                           gate=SpeculationGate(threshold=0.0))  # never gate off: every step is a sample
+                           gate=SpeculationGate(arms=("draft",)))  # always draft: every step is a sample
     eng = Engine(engine_target, drafter, controller)
     for ids in prompt_ids:
         eng.generate(ids, SamplingParams(max_tokens=max_tokens))

@@ -10,9 +10,10 @@ Per step the engine asks, in order (engine/engine.py, `Engine.step`):
     ... verify, accept, compact ...
     controller.observe(stats, tree)                           # or observe_batch(stats, trees)
 
-b is the number of sequences in the step (one gate per batch-size class, for the full drafter
-and for its free part). Each gate judges its steps by their realised tokens per second over a
-plain step's: measured plain steps at that batch size where they have run, else predicted.
+b is the number of sequences in the step: one gate per batch-size class chooses among the
+full drafter, its free part and plain decoding (controller/gate.py) by their realised tokens
+per second over a plain step's, measured: the median ratio of recent plain steps' times to the
+latency model's C(1) scales the model's prediction at the step's context.
 
 `observe` feeds the online profiler, the AR gate and the surrogate check (`record_step`),
 then exports the controller's own gauges. Step figures every mode shares (speedup, tree
@@ -21,6 +22,7 @@ The method is described in docs/method.md, sections 8 and 9.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -51,13 +53,15 @@ class BudgetController:
     bastion_cli/factory.py). max_depth: drafter depth (block size - 1).
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
-    background refit. gate: a SpeculationGate (default one). table_every: steps between updates
+    background refit. gate: the SpeculationGate of single-sequence steps (default one; batch-size
+    classes get gates with its settings). table_every: steps between updates
     of the latency-table and online-error gauges. seq_overhead: calibrated seconds a batched
     forward costs per sequence beyond the first (CalibrationResult.seq_overhead), refined online
     by batched steps.
     Batched steps (docs/method.md, section 9) get a global policy from `batch_policy`, are
     judged by one gate per batch-size class (1, 2, 3-4, 5-8, ...: whether drafting pays
     depends on how loaded the forward is) and are recorded by `observe_batch`.
+    plain_history: recent plain steps kept per batch size for the measured baseline.
     """
 
     def __init__(self, model: LatencyModel, settings: PolicySettings | None = None, *,
@@ -65,7 +69,7 @@ class BudgetController:
                  surrogate_correction: bool = False, max_depth: int = 15, t_draft_init: float = 0.0,
                  t_other_init: float = 0.0, refit_threshold: float = 0.15, refit_window: int = 64,
                  history: int = 512, gate: SpeculationGate | None = None, table_every: int = 16,
-                 heldout_mape: float | None = None, seq_overhead: float = 0.0):
+                 heldout_mape: float | None = None, seq_overhead: float = 0.0, plain_history: int = 16):
         self.settings = settings or default_settings("cpu")
         self.metrics = controller_metrics(registry)
         self.profiler = OnlineProfiler(model, calibration_points, history=history, window=refit_window,
@@ -73,19 +77,19 @@ class BudgetController:
         self.profiler.t_draft.value = t_draft_init
         self.profiler.t_other.value = t_other_init
         self.gate = gate or SpeculationGate()
-        self._gate_proto = (self.gate.alpha, self.gate.threshold, self.gate.probe_steps, self.gate.reprobe_steps,
-                            self.gate.base_backoff, self.gate.max_backoff)
+        self._gate_proto = (self.gate.alpha, self.gate.explore_every, self.gate.arms)
         self._batch_gates: dict[int, SpeculationGate] = {}
-        # The drafter's free part is judged too: a cheap tree still costs C(n) - C(1) to verify.
-        self._cheap_gates: dict[int, SpeculationGate] = {}
         self.seq_overhead = RunningMean(0.1, max(float(seq_overhead), 0.0))
         self.seq_overhead.count = 1  # the calibrated value is the first sample: online ones refine it
         self._batch_draft: dict[int, RunningMean] = {}
         self._batch_other: dict[int, RunningMean] = {}
-        self._batch_plain: dict[int, RunningMean] = {}  # measured seconds of a plain step, per batch size
+        # Recent plain steps per batch size: (cached tokens in all, measured seconds of the step).
+        self._plain: dict[int, collections.deque] = {}
+        self._plain_history = plain_history
+        self._plain_added: dict[int, int] = {}
+        self._plain_ratio: dict[int, tuple[tuple, float]] = {}  # cached median ratio, keyed by what it reads
         self.batch_steps = 0
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
-        self._ar_overhead = RunningMean(0.1)
         self.table_every = table_every
         self.steps = 0
         self.step_kinds = {"draft": 0, "cheap": 0, "plain": 0}
@@ -161,48 +165,70 @@ class BudgetController:
                               st.min_nodes, st.max_nodes, st.bucket, st.top_k)
 
     def should_draft(self, batch_size: int = 1) -> bool:
-        """False when drafting currently costs more than it buys at this batch size: decode this step plainly."""
-        return self.gate_for(batch_size).should_draft()
-
-    def gate_for(self, batch_size: int) -> SpeculationGate:
-        """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of batch_size."""
-        if batch_size <= 1:
-            return self.gate
-        return self._class_gate(self._batch_gates, batch_size)
-
-    def cheap_gate_for(self, batch_size: int) -> SpeculationGate:
-        """The gate of the drafter's free proposals (`Drafter.propose_cheap`) for a batch-size class."""
-        return self._class_gate(self._cheap_gates, batch_size)
-
-    def _class_gate(self, table: dict[int, SpeculationGate], batch_size: int) -> SpeculationGate:
-        key = 1 if batch_size <= 1 else 1 << (int(batch_size) - 1).bit_length()
-        gate = table.get(key)
-        if gate is None:
-            gate = table[key] = SpeculationGate(*self._gate_proto)
-            # Speculation pays less as the batch grows (each node costs more of a busier forward): a
-            # class starts paused, with its backoff, where the next smaller class has found a loss.
-            smaller = self.gate if table is self._batch_gates and key == 2 else table.get(key // 2)
-            if smaller is not None and not smaller.should_draft():
-                gate.backoff = smaller.backoff
-                gate.pause()
-        return gate
+        """False when the full drafter is not this step's best choice at this batch size."""
+        return self.gate_for(batch_size).choice() == "draft"
 
     def allow_cheap(self, batch_size: int = 1) -> bool:
-        """False when the drafter's free proposals currently cost more than they buy at this batch
-        size (their trees still cost verification): decode the step plainly."""
-        return self.cheap_gate_for(batch_size).should_draft()
+        """On a step that does not draft: True when the drafter's free proposals are the choice
+        (their trees still cost verification, so they are judged like drafts)."""
+        return self.gate_for(batch_size).choice() == "cheap"
+
+    def gate_for(self, batch_size: int) -> SpeculationGate:
+        """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of
+        batch_size. A new class starts from the averages of the next smaller class."""
+        if batch_size <= 1:
+            return self.gate
+        key = 1 << (int(batch_size) - 1).bit_length()
+        gate = self._batch_gates.get(key)
+        if gate is None:
+            alpha, every, arms = self._gate_proto
+            gate = self._batch_gates[key] = SpeculationGate(alpha, every, arms)
+            gate.inherit(self.gate if key == 2 else self._batch_gates.get(key // 2, self.gate))
+        return gate
+
+    def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, gain: float | None) -> None:
+        """Credit a finished step to the arm it used: a plain step on which the free proposal
+        was the choice (but found nothing) is the cheap arm's, at a plain step's gain."""
+        if drafted or cheap:
+            arm = "draft" if drafted else "cheap"
+        else:
+            arm = "cheap" if gate.choice() == "cheap" else "plain"
+            gain = 1.0
+        if arm in gate.gain:
+            gate.record(arm, gain)
+        else:  # a gate restricted to fewer arms (bastion calibrate drafts every step)
+            gate.tick()
+
+    def predicted_plain_seconds(self, context_len: int, batch_size: int = 1) -> float:
+        """The latency model's seconds of a plain step's forward: C(1, c), or C_b(b) plus the
+        per-sequence overhead for a batch caching context_len tokens in all."""
+        if batch_size <= 1:
+            return float(self.model.predict(1, context_len))
+        return self.model.predict_batch(batch_size, batch_size, context_len) + self.seq_overhead.value * (batch_size - 1)
 
     def plain_step_seconds(self, context_len: int, batch_size: int = 1) -> float:
         """Seconds of a plain step of batch_size sequences caching context_len tokens in all:
-        measured (running mean of recent plain steps at this batch size) where one has run, else
-        predicted (C_b(b) plus the per-sequence overhead and the measured AR overhead)."""
-        m = self._batch_plain.get(batch_size)
-        if m is not None and m.count:
-            return m.value
-        if batch_size <= 1:
-            return self.ar_step_seconds(context_len)
-        return (self.model.predict_batch(batch_size, batch_size, context_len)
-                + self.seq_overhead.value * (batch_size - 1) + self._ar_overhead.value)
+        the model's forward at this context times the median ratio of recent measured plain
+        steps (the whole step) to the model's forward at theirs; without any at this batch
+        size, the single-sequence ratio; without any at all, the model alone."""
+        b = batch_size if batch_size in self._plain else 1
+        return self.predicted_plain_seconds(context_len, batch_size) * self._measured_ratio(b)
+
+    def _measured_ratio(self, b: int) -> float:
+        hist = self._plain.get(b)
+        if not hist:
+            return 1.0
+        key = (id(self.model), self.seq_overhead.value, self._plain_added[b])
+        cached = self._plain_ratio.get(b)
+        if cached is None or cached[0] != key:
+            ratio = float(np.median([t / self.predicted_plain_seconds(c, b) for c, t in hist]))
+            self._plain_ratio[b] = cached = (key, ratio)
+        return cached[1]
+
+    def _add_plain(self, b: int, context_total: int, seconds: float) -> None:
+        hist = self._plain.setdefault(b, collections.deque(maxlen=self._plain_history))
+        hist.append((int(context_total), float(seconds)))
+        self._plain_added[b] = self._plain_added.get(b, 0) + 1
 
     # ---- batched steps ----------------------------------------------------------------
 
@@ -237,7 +263,7 @@ class BudgetController:
         batched cost (measured verify time minus the roofline's C_b, per extra sequence) and the
         measured plain step time at this batch size; a drafted one T_draft(b) and T_other(b) and
         feeds the batch-size class's gate with its realised gain over a plain batched step
-        (measured where plain steps ran at this size, else predicted). Drafted and cheap trees
+        (`plain_step_seconds`). Drafted and cheap trees
         go to the surrogate check.
         """
         b = len(stats)
@@ -250,7 +276,7 @@ class BudgetController:
         base = model.predict_batch(n, b, c_total)
         if n == b:  # roots only: what the roofline misses is the per-sequence work, not tree size
             self.seq_overhead.add(max((first.verify_s - base) / (b - 1), 0.0))
-            self._batch_plain.setdefault(b, RunningMean(0.2)).add(first.verify_s + first.other_s)
+            self._add_plain(b, c_total, first.verify_s + first.other_s)
         predicted = base + self.seq_overhead.value * (b - 1)
         drafted = any(st.drafted for st in stats)
         cheap = not drafted and any(st.cheap for st in stats)
@@ -263,8 +289,7 @@ class BudgetController:
             step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
             # Realised tokens/s over a plain batched step's (b tokens per plain step).
             gain = sum(st.accepted for st in stats) * self.plain_step_seconds(c_total, b) / (b * step_s)
-        gate.record(drafted, gain)
-        self.cheap_gate_for(b).record(cheap, gain)
+        self._record_arm(gate, drafted, cheap, gain)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 self.surrogate.record(st.a_hat, st.accepted,
@@ -272,15 +297,11 @@ class BudgetController:
             kind = "draft" if st.drafted else "cheap" if st.cheap else "plain"
             self.step_kinds[kind] += 1
         self.batch_steps += 1
-        self.metrics.observe_step(first.verify_s, predicted, self.t_draft, self.t_other, gate.should_draft())
+        self.metrics.observe_step(first.verify_s, predicted, self.t_draft, self.t_other, gate.best() == "draft")
 
     def correct(self, proposal: Proposal) -> Proposal:
         """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity unless enabled)."""
         return self.surrogate.correct(proposal)
-
-    def ar_step_seconds(self, context_len: int) -> float:
-        """Expected seconds of one plain decoding step at context_len: C(1, c) plus measured AR overhead."""
-        return self.verify_costs(context_len)[1] + self._ar_overhead.value
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
@@ -291,8 +312,8 @@ class BudgetController:
         s: tokens verified (tree size, root included; 1 for a plain step); c: cached tokens
         before the step; verify_s / draft_s / other_s: seconds; a_hat: the tree's surrogate;
         accepted: tokens committed, bonus included; drafted: False for a plain step;
-        cheap: a plain step (drafted False) that verified the drafter's free proposal
-        (`Drafter.propose_cheap`): the gate treats it as plain, the surrogate check records it;
+        cheap: a step (drafted False) that verified the drafter's free proposal
+        (`Drafter.propose_cheap`): the gate credits it to its cheap arm, the surrogate check records it;
         depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability.
         Never blocks: a refit, when due, runs in a background thread.
         """
@@ -300,23 +321,17 @@ class BudgetController:
         predicted = costs[s] if s < len(costs) else self.model.predict(s, c)
         self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
         step_s = max(draft_s + verify_s + other_s, 1e-12)
-        if drafted:
-            self.gate.record(True, accepted * self.plain_step_seconds(c) / step_s)
+        gain = None
+        if drafted or cheap:
+            gain = accepted * self.plain_step_seconds(c) / step_s
             self.surrogate.record(a_hat, accepted, depth_mass)
-        else:
-            if s == 1:
-                self._ar_overhead.add(verify_s + other_s - costs[1])
-                self._batch_plain.setdefault(1, RunningMean(0.2)).add(step_s)
-            if cheap:
-                self.surrogate.record(a_hat, accepted, depth_mass)
-                self.cheap_gate_for(1).record(True, accepted * self.plain_step_seconds(c) / step_s)
-            else:
-                self.cheap_gate_for(1).record(False)
-            self.gate.record(False)
+        elif s == 1:
+            self._add_plain(1, c, step_s)
+        self._record_arm(self.gate, drafted, cheap, gain)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self.step_kinds[kind] += 1
-        self.metrics.observe_step(verify_s, predicted, self.t_draft, self.t_other, self.gate.should_draft())
+        self.metrics.observe_step(verify_s, predicted, self.t_draft, self.t_other, self.gate.best() == "draft")
         if self.steps % self.table_every == 0:
             self.update_table(c)
         if log.isEnabledFor(logging.DEBUG):
@@ -336,7 +351,7 @@ class BudgetController:
                          stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap)
 
     def snapshot(self) -> dict:
-        """JSON-ready state for reports: steps by kind, gate pauses, running T_draft / T_other
+        """JSON-ready state for reports: steps by kind, the gates (SpeculationGate.snapshot), running T_draft / T_other
         (seconds), the latency model (parameters, residual, recent online MAPE) and the
         surrogate check (mean A_hat vs realised accepted length, per-depth reliability)."""
         model = self.model
@@ -346,13 +361,12 @@ class BudgetController:
         sur = self.surrogate.snapshot()
         sur.update(mean_predicted=num(sur["mean_predicted"]), mean_realised=num(sur["mean_realised"]))
         return {
-            "steps": dict(self.step_kinds), "gate_pauses": self.gate.switches_off,
+            "steps": dict(self.step_kinds), "gate": self.gate.snapshot(),
             "t_draft_s": self.t_draft, "t_other_s": self.t_other,
             "latency_params": model.params.to_dict(), "residual": [list(r) for r in model.residual],
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
             "surrogate": sur, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
-            "batch_gate_pauses": {str(k): g.switches_off for k, g in sorted(self._batch_gates.items())},
-            "cheap_gate_pauses": {str(k): g.switches_off for k, g in sorted(self._cheap_gates.items())},
+            "batch_gates": {str(k): g.snapshot() for k, g in sorted(self._batch_gates.items())},
         }
 
     def update_table(self, context_len: int) -> None:

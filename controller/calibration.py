@@ -65,6 +65,9 @@ CPU_REMEASURE_BUDGET_S = 10.0
 NOISY_MAPE = 0.5
 #: Relative residual beyond which a grid point is timed again (a busy machine spoils timings).
 OUTLIER_REL_ERROR = 0.25
+#: Median relative spread (interquartile range / median) of a point's repeated timings above which the
+#: machine is taken to be busy: the calibration is used, reported as such, and not cached.
+BUSY_SPREAD = 0.25
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class CalibrationResult:
     batch_points: [(b, n, c, median seconds)] of batched forwards (b trees of n nodes over c
     cached tokens each); seq_overhead: seconds per sequence beyond the first that the batched
     cost adds to the roofline (`fit_seq_overhead`); batch_mape: the batched model's error on them.
+    spread: median over points of the relative spread (interquartile range / median) of their repeated
+    timings (nan with single timings); above BUSY_SPREAD the machine was busy.
     """
 
     key: dict
@@ -128,6 +133,7 @@ class CalibrationResult:
     batch_points: list[tuple[int, int, int, float]] = field(default_factory=list)
     seq_overhead: float = 0.0
     batch_mape: float = float("nan")
+    spread: float = float("nan")
     from_cache: bool = field(default=False, compare=False)
 
     def model(self) -> LatencyModel:
@@ -142,7 +148,7 @@ class CalibrationResult:
             "elapsed_s": self.elapsed_s, "residual": [list(r) for r in self.residual],
             "heldout_mape_roofline": self.heldout_mape_roofline,
             "batch_points": [list(p) for p in self.batch_points], "seq_overhead": self.seq_overhead,
-            "batch_mape": self.batch_mape,
+            "batch_mape": self.batch_mape, "spread": self.spread,
         }
 
     @classmethod
@@ -158,6 +164,7 @@ class CalibrationResult:
             heldout_mape_roofline=float(d.get("heldout_mape_roofline", float("nan"))),
             batch_points=[(int(b), int(n), int(c), float(t)) for b, n, c, t in d.get("batch_points", [])],
             seq_overhead=float(d.get("seq_overhead", 0.0)), batch_mape=float(d.get("batch_mape", float("nan"))),
+            spread=float(d.get("spread", float("nan"))),
             from_cache=True,
         )
 
@@ -220,7 +227,7 @@ def save_cached(path: Path, result: CalibrationResult) -> None:
 
 def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: int = 3, repeats: int = 5,
                  time_budget_s: float | None = None, progress: bool = True,
-                 stop_when_spent: bool = False) -> list[tuple[int, int, float]]:
+                 stop_when_spent: bool = False, spreads: list[float] | None = None) -> list[tuple[int, int, float]]:
     """Median latency (seconds) per (s, c) point: `warmup` untimed calls, then `repeats` timed calls.
 
     With time_budget_s (CPU), the full warm-up is done once at the first point and one
@@ -228,6 +235,7 @@ def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: i
     its share of the remaining budget, so the grid finishes in about time_budget_s; once the
     budget is spent, later points get one timed run and no warm-up, or (stop_when_spent) are
     skipped. Returns [(s, c, median seconds)] in the order of `points` (a prefix if skipped).
+    spreads: if given, each point with two timed runs or more appends its interquartile range / median.
     """
     out: list[tuple[int, int, float]] = []
     start = time.perf_counter()
@@ -253,6 +261,9 @@ def measure_grid(measure_fn: MeasureFn, points: list[tuple[int, int]], warmup: i
             if share is not None and time.perf_counter() - point_start > share:
                 break
         out.append((s, c, statistics.median(runs)))
+        if spreads is not None and len(runs) >= 2:
+            q1, q3 = np.percentile(runs, [25, 75])
+            spreads.append(float(q3 - q1) / out[-1][2])
         bar.set_postfix(s=s, c=c, ms=f"{out[-1][2] * 1e3:.1f}")
     return out
 
@@ -400,11 +411,14 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
     t0 = time.perf_counter()
     if ceilings is None:
         ceilings = measure_ceilings(device, dtype)
-    points = measure_grid(measure_fn, grid.points(max_context), warmup, repeats, time_budget_s, progress)
+    spreads: list[float] = []
+    points = measure_grid(measure_fn, grid.points(max_context), warmup, repeats, time_budget_s, progress,
+                          spreads=spreads)
     if len(points) >= 4:
         points, _ = remeasure_outliers(measure_fn, shape, ceilings, points, warmup, repeats, remeasure_budget,
                                        progress)
     result = fit_result(key, shape, ceilings, points, time.perf_counter() - t0)
+    result.spread = float(np.median(spreads)) if spreads else float("nan")
     if measure_batch_fn is not None:
         on_cpu = torch.device(device).type == "cpu"
         result.batch_points = measure_batch_grid(measure_batch_fn, batch_grid.points(max_context),
@@ -414,10 +428,11 @@ def calibrate(measure_fn: MeasureFn, config, dtype: torch.dtype, grid: Calibrati
         result.elapsed_s = time.perf_counter() - t0
     log.info("calibrated %s on %s in %.1f s: %s, held-out MAPE %.1f %%", model_name, name, result.elapsed_s,
              result.params, 100 * result.heldout_mape)
-    if result.heldout_mape > NOISY_MAPE:
-        log.warning("calibration looks noisy (held-out MAPE %.0f %%): the machine was probably busy. It is used "
-                    "for now but not cached; run `bastion calibrate --force` on a quiet machine.",
-                    100 * result.heldout_mape)
+    if result.heldout_mape > NOISY_MAPE or result.spread > BUSY_SPREAD:
+        log.warning("the machine looks busy during calibration (held-out MAPE %.0f %%, repeated timings of one "
+                    "forward spread by %.0f %%). It is used for now, the online profiler refits it as steps run, "
+                    "and it is not cached; run `bastion calibrate --force` on a quiet machine.",
+                    100 * result.heldout_mape, 100 * result.spread)
     elif use_cache:
         save_cached(path, result)
     return result
@@ -447,6 +462,9 @@ def report(result: CalibrationResult, png_path: Path | str | None = None, file: 
                  f"beta_m={p.beta_m * 1e3:.3f} ms")
     if result.residual:
         lines.append("residual r(s): " + "  ".join(f"{k:g}:{math.exp(v):.3f}" for k, v in result.residual))
+    if result.spread == result.spread:
+        busy = "  (busy machine: not cached)" if result.spread > BUSY_SPREAD else ""
+        lines.append(f"spread of repeated timings (median over points): {100 * result.spread:.1f} %{busy}")
     lines.append(f"MAPE held-out ({len(result.heldout)} pts, '*'): {100 * result.heldout_mape:.2f} % "
                  f"(roofline alone: {100 * result.heldout_mape_roofline:.2f} %)   "
                  f"all points (final fit): {100 * result.fit_mape:.2f} %" + ("   [cached]" if result.from_cache else ""))

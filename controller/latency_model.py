@@ -25,6 +25,10 @@ from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
 
 PARAM_NAMES = ("alpha_c", "beta_c", "alpha_m", "beta_m")
+#: The per-s residual factor r(s) stays within [1 / RESIDUAL_BOUND, RESIDUAL_BOUND].
+RESIDUAL_BOUND = 4.0
+#: A residual knot that many times above (or below) both neighbours is a spike, smoothed away.
+RESIDUAL_SPIKE = 1.3
 
 
 @dataclass(frozen=True)
@@ -125,20 +129,22 @@ class LatencyModel:
         return float(out[0]) if scalar else out
 
     def batch_costs(self, max_n: int, b: int, c_total: int, seq_overhead: float = 0.0) -> list[float]:
-        """[max_n + 1] Python list: entry n = C_b(n; ...) seconds (`predict_batch`) for n = b..max_n;
-        entries below b (a batch verifies at least its b roots) are 0.0."""
+        """[max_n + 1] Python list: entry n = C_b(n; ...) seconds (`predict_batch`) for n = b..max_n,
+        made non-decreasing in n (a forward of more tokens does not cost less; a dip is a fitted
+        residual's artifact); entries below b (a batch verifies at least its b roots) are 0.0."""
         if max_n < b:
             return [0.0] * (max_n + 1)
         n = np.arange(b, max_n + 1)
-        return [0.0] * b + self.predict_batch(n, b, c_total, seq_overhead).tolist()
+        return [0.0] * b + np.maximum.accumulate(self.predict_batch(n, b, c_total, seq_overhead)).tolist()
 
     def verify_costs(self, max_n: int, c: int) -> list[float]:
-        """[max_n + 1] Python list: entry n = C(n, c) seconds for n = 1..max_n; entry 0 = 0.0.
+        """[max_n + 1] Python list: entry n = C(n, c) seconds for n = 1..max_n, made non-decreasing
+        in n (a forward of more tokens does not cost less); entry 0 = 0.0.
 
         One vectorised evaluation, so a policy can index it per node at no cost.
         """
         n = np.arange(1, max_n + 1)
-        return [0.0] + self.predict(n, np.full_like(n, c)).tolist()
+        return [0.0] + np.maximum.accumulate(self.predict(n, np.full_like(n, c))).tolist()
 
     def bound(self, s: int, c: int) -> str:
         """'compute' or 'memory': which line of the max is active at (s, c)."""
@@ -222,7 +228,8 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
 
 
 def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float, float], ...]:
-    """Per-knot median log(measured / C) of the points nearest each knot in log2 s.
+    """Per-knot median log(measured / C) of the points nearest each knot in log2 s, smoothed by a
+    three-knot median where one knot spikes and bounded to |log r| <= log RESIDUAL_BOUND.
 
     model: the fitted roofline (its own residual is ignored); s, c, seconds: [N] points;
     knots: s values. Knots without a point are dropped. Returns ((s_knot, log r), ...).
@@ -235,12 +242,23 @@ def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float
     if kn.size == 0:
         return ()
     nearest = np.abs(np.log2(s)[:, None] - np.log2(kn)[None, :]).argmin(axis=1)
-    out = []
+    ks, vals = [], []
     for j, k in enumerate(kn):
         sel = nearest == j
         if sel.any():
-            out.append((float(k), float(np.median(logr[sel]))))
-    return tuple(out)
+            ks.append(float(k))
+            vals.append(float(np.median(logr[sel])))
+    # Smooth and bounded: an interior knot more than RESIDUAL_SPIKE above or below both its
+    # neighbours (a spike from spoiled timings) takes their three-knot median, a step of the
+    # kernels stays; r stays in [1 / RESIDUAL_BOUND, RESIDUAL_BOUND].
+    spike = math.log(RESIDUAL_SPIKE)
+    smooth = list(vals)
+    for i in range(1, len(vals) - 1):
+        lo, hi = vals[i] - vals[i - 1], vals[i] - vals[i + 1]
+        if (lo > spike and hi > spike) or (lo < -spike and hi < -spike):
+            smooth[i] = float(np.median(vals[i - 1:i + 2]))
+    lim = math.log(RESIDUAL_BOUND)
+    return tuple((k, min(max(v, -lim), lim)) for k, v in zip(ks, smooth))
 
 
 def fit_model(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds, sigma_scale=None,

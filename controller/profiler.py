@@ -50,7 +50,10 @@ class OnlineProfiler:
     """Owns the current LatencyModel and keeps it honest.
 
     model: the calibrated starting model. calibration_points: [(s, c, seconds)] from
-    calibration, re-used (at half weight) in every refit to anchor the shape of the curve.
+    calibration, re-used (at half weight) in every refit to anchor the shape of the curve;
+    their level is re-anchored first: scaled by the median ratio of the recent steps' times to
+    the calibrated model's predictions, since a calibration taken beside another process is
+    uniformly slow and its shape, not its level, is what the steps cannot show.
     history: step records kept for refits. window: steps the drift error is measured over
     (and the minimum number of new steps between refits). threshold: drift MAPE (fraction)
     that triggers a refit. alpha: weight of the newest sample in T_draft / T_other.
@@ -61,6 +64,7 @@ class OnlineProfiler:
                  history: int = 512, window: int = 64, threshold: float = 0.15, alpha: float = 0.1,
                  on_refit: Callable[[LatencyModel, float, float], None] | None = None):
         self.model = model
+        self.calibrated = model
         self.calibration_points = list(calibration_points)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.window = window
@@ -116,7 +120,8 @@ class OnlineProfiler:
     def _refit(self, recent: list[StepRecord], err_before: float) -> None:
         old = self.model
         pts = [(r.s, r.c, r.verify_s, 1.0) for r in recent]
-        pts += [(s, c, t, 2.0) for s, c, t in self.calibration_points]
+        level = float(np.median([r.verify_s / self.calibrated.predict(r.s, r.c) for r in recent])) if recent else 1.0
+        pts += [(s, c, t * level, 2.0) for s, c, t in self.calibration_points]
         arr = np.asarray(pts, dtype=np.float64)
         try:
             new = fit_model(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3],

@@ -146,20 +146,20 @@ def test_each_batch_size_class_has_its_own_gate():
     ctl = _controller()
     assert ctl.gate_for(1) is ctl.gate and ctl.gate_for(3) is ctl.gate_for(4) and ctl.gate_for(5) is not ctl.gate_for(4)
     tree = build_tree(0, random_marginals(4, 4), FixedBudgetPolicy(8), 4)
-    # Drafted batched steps of 8 that accept nothing beyond the bonus: the gate of 5-8 turns off ...
-    for _ in range(10):
-        if not ctl.should_draft(8):
-            break
-        stats = [StepStats(tree_size=8, accepted=1, accepted_depth=0, context_len=500, a_hat=tree.a_hat, drafted=True,
-                           draft_s=0.04, verify_s=0.4, other_s=1e-3) for _ in range(8)]
-        ctl.observe_batch(stats, [tree] * 8)
-    assert not ctl.should_draft(8) and not ctl.should_draft(6)
+    # A drafted batched step of 8 that accepts nothing beyond the bonus: the class of 5-8 stops drafting ...
+    assert ctl.should_draft(8)
+    stats = [StepStats(tree_size=8, accepted=1, accepted_depth=0, context_len=500, a_hat=tree.a_hat, drafted=True,
+                       draft_s=0.04, verify_s=0.4, other_s=1e-3) for _ in range(8)]
+    ctl.observe_batch(stats, [tree] * 8)
+    g8 = ctl.gate_for(8)
+    assert g8.gain["draft"] < 1 and not ctl.should_draft(8) and not ctl.should_draft(6)
     # ... and single-sequence steps still draft.
     assert ctl.should_draft(1) and ctl.should_draft(2)
     snap = ctl.snapshot()
-    assert snap["batch_gate_pauses"] == {"2": 0, "4": 0, "8": 1}
-    # A larger class, first seen after the class of 8 found a loss, starts paused with its backoff.
-    assert not ctl.should_draft(12) and ctl.gate_for(16).wait == ctl.gate_for(8).backoff
+    assert snap["batch_gates"]["8"]["samples"]["draft"] == 1 and snap["batch_gates"]["8"]["choice"] == "cheap"
+    assert snap["batch_gates"]["2"]["samples"]["draft"] == 0
+    # A larger class, first seen after the class of 8 found a loss, starts from its averages.
+    assert not ctl.should_draft(12) and ctl.gate_for(16).gain["draft"] == g8.gain["draft"]
 
 
 def test_losing_cheap_proposals_are_turned_off_and_plain_steps_are_measured():
@@ -169,12 +169,19 @@ def test_losing_cheap_proposals_are_turned_off_and_plain_steps_are_measured():
     for _ in range(5):
         ctl.record_step(1, 500, 0.05, 0.0, 0.01, 1.0, 1, drafted=False)
     assert abs(ctl.plain_step_seconds(500) - 0.06) < 1e-9  # measured, not the model's C(1)
-    assert ctl.allow_cheap(1)
+    # At a longer context the measured ratio scales the model's C(1) there.
+    ratio = 0.06 / ctl.model.predict(1, 500)
+    assert abs(ctl.plain_step_seconds(900) - ratio * ctl.model.predict(1, 900)) < 1e-9
+    assert ctl.should_draft(1)  # never tried: drafted first
+    ctl.record_step(8, 500, 0.11, 0.02, 0.01, 2.0, 2, drafted=True)
+    draft_gain = ctl.gate.gain["draft"]
+    assert abs(draft_gain - 2 * 0.06 / 0.14) < 1e-9 and not ctl.should_draft(1)
+    assert ctl.allow_cheap(1)  # the free proposals next, never tried either
     for _ in range(3):
         if not ctl.allow_cheap(1):
             break
         ctl.record_step(8, 500, 0.11, 0.0, 0.01, 2.0, 1, drafted=False, cheap=True)
-    assert not ctl.allow_cheap(1) and ctl.should_draft(1)  # the full drafter's gate is separate
-    assert ctl.snapshot()["cheap_gate_pauses"] == {"1": 1}
-    # Batched: the class of 8 has its own cheap gate.
-    assert ctl.allow_cheap(8)
+    assert not ctl.allow_cheap(1) and ctl.gate.best() == "plain"
+    assert ctl.gate.gain["draft"] == draft_gain  # each arm has its own average
+    # Batched: the class of 8 has its own gate, started from the single-sequence averages.
+    assert ctl.gate_for(8).gain["cheap"] == ctl.gate.gain["cheap"] and ctl.gate_for(8).samples["cheap"] == 0

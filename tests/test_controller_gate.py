@@ -1,0 +1,101 @@
+"""SpeculationGate: three arms by realised gain, exploration with a floor, bounded reaction times."""
+import numpy as np
+import pytest
+
+from controller.gate import SpeculationGate
+
+
+def run(gate: SpeculationGate, gains: dict, steps: int, rng=None) -> list[str]:
+    """Play `steps` steps; gains[arm] is a number or a callable(rng) -> number. Returns the arms used."""
+    used = []
+    for _ in range(steps):
+        arm = gate.choice()
+        g = gains.get(arm, 1.0)
+        gate.record(arm, g(rng) if callable(g) else g)
+        used.append(arm)
+    return used
+
+
+def test_untried_arms_first_then_the_best_and_ties_go_to_plain():
+    g = SpeculationGate()
+    assert g.choice() == "draft"
+    g.record("draft", 0.8)
+    assert g.choice() == "cheap"  # never tried yet
+    g.record("cheap", 1.0)
+    assert g.best() == "plain" and g.choice() == "plain"  # cheap ties plain at 1: plain wins ties
+    g.record("plain", 5.0)  # a plain step's gain is 1 by definition, whatever is passed
+    assert g.gain["plain"] == 1.0
+    g2 = SpeculationGate(arms=("draft",))
+    assert g2.choice() == "draft" and g2.arms == ("draft",)
+    with pytest.raises(ValueError):
+        g2.record("plain")
+    for bad in ({"arms": ()}, {"arms": ("fast",)}, {"alpha": 0.0}, {"explore_every": 0}):
+        with pytest.raises(ValueError):
+            SpeculationGate(**bad)
+    with pytest.raises(ValueError):
+        g.record("draft", -1.0)
+
+
+def test_losing_arms_are_sampled_at_least_at_the_floor_rate_and_cost_at_most_half_its_inverse():
+    g = SpeculationGate(explore_every=32)
+    gains = {"draft": 0.4, "cheap": 0.9, "plain": 1.0}
+    used = run(g, gains, 3200)
+    assert g.period("draft") == 32 and g.period("cheap") == 8  # far loser: the floor; near: every MIN_PERIOD
+    assert used.count("draft") >= 0.95 * 3200 / 32  # at least once per E steps (less the collisions)
+    assert 0.85 * 3200 / 8 <= used.count("cheap") <= 3200 / 8 + 1
+    # exploring cost at most 1 / (2 E) per losing arm against always plain
+    realised = sum(gains[a] for a in used) / len(used)
+    assert realised >= 1 - 2 / (2 * 32)
+    assert realised < 1 - 0.5 / 32  # and it did cost something: each arm was sampled
+
+
+def test_a_useless_drafter_is_turned_down_within_six_steps_and_a_useful_one_back_up_in_bounded_steps():
+    g = SpeculationGate(explore_every=32)
+    run(g, {"draft": 1.5, "cheap": 1.1}, 100)
+    assert g.best() == "draft"
+    # the drafter becomes useless (a hard prompt): at most six more drafted steps
+    used = run(g, {"draft": 0.6, "cheap": 1.1}, 40)
+    first_other = next(i for i, a in enumerate(used) if a != "draft")
+    assert first_other <= 6
+    assert g.best() == "cheap"
+    run(g, {"draft": 0.6, "cheap": 1.1}, 500)  # a long bad stretch does not lock drafting out ...
+    used = run(g, {"draft": 1.5, "cheap": 1.1}, 80)
+    # ... it is sampled within explore_every steps, and each winning sample is followed at once
+    back = next(i for i in range(len(used)) if g.best() == "draft" and used[i] == "draft"
+                and all(a == "draft" for a in used[i:i + 10]))
+    assert back <= g.explore_every + 6
+    # the rest: exploring the two losers, each behind by >= 27 %, once per 1 + 2 E gap >= 18 steps
+    assert used[-40:].count("draft") >= 40 - 2 * (40 // 18 + 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_history_keeps_drafting_off_for_more_than_a_bounded_fraction_once_it_pays(seed):
+    """Any start (random arms' gains, some absurd), then drafting pays with noisy gains (1.2-1.8
+    against free proposals at 0.9-1.2): after a bounded warm-up, the steps off the drafter are
+    the two losers' exploration, each at most 1 / (1 + 2 E gap) of the steps (gap >= 0.2 on
+    average), and they cost at most 1 / (2 E) each of the drafter's throughput."""
+    rng = np.random.default_rng(seed)
+    g = SpeculationGate(explore_every=32)
+    adversarial = {"draft": lambda r: float(r.choice([0.0, 0.1, 3.0, 0.5])),
+                   "cheap": lambda r: float(r.uniform(0, 4))}
+    run(g, adversarial, int(rng.integers(1, 400)), rng)
+    paying = {"draft": lambda r: float(r.uniform(1.2, 1.8)), "cheap": lambda r: float(r.uniform(0.9, 1.2))}
+    used = run(g, paying, 1000, rng)
+    warm = 2 * g.explore_every
+    tail = used[warm:]
+    off = sum(a != "draft" for a in tail) / len(tail)
+    assert off <= 2 / (1 + 2 * g.explore_every * 0.2) + 0.02
+    mean = {"draft": 1.5, "cheap": 1.05, "plain": 1.0}
+    realised = sum(mean[a] for a in tail) / len(tail)
+    assert realised >= 1.5 * (1 - 2 / (2 * g.explore_every)) - 0.02
+
+
+def test_state_carries_and_a_new_class_inherits_its_neighbours_averages():
+    a = SpeculationGate()
+    run(a, {"draft": 0.5, "cheap": 1.3}, 10)
+    b = SpeculationGate()
+    b.inherit(a)
+    assert b.gain == a.gain and b.samples == {"draft": 0, "cheap": 0, "plain": 0}
+    assert b.choice() == "cheap"
+    snap = b.snapshot()
+    assert snap["choice"] == "cheap" and snap["gain"]["draft"] == a.gain["draft"]
