@@ -32,7 +32,7 @@ from controller.latency_model import LatencyModel, LatencyParams, fit_model, map
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the cached JSON layout or the fitting method changes.
-CACHE_FORMAT = 4  # 2: the per-s residual; 3: timed through engine.forward; 4: the batched cost
+CACHE_FORMAT = 5  # 2: the per-s residual; 3: timed through engine.forward; 4: the batched cost; 5: smoothed residual, spread
 
 MeasureFn = Callable[[int, int], float]
 #: measure(b, n, c) -> seconds of one forward verifying b trees of n nodes, each over c cached tokens.
