@@ -89,6 +89,8 @@ class BudgetController:
         self._plain_added: dict[int, int] = {}
         self._plain_ratio: dict[int, tuple[tuple, float]] = {}  # cached median ratio, keyed by what it reads
         self.batch_steps = 0
+        self._last_kind = "plain"
+        self._steady_draft = RunningMean(0.3)  # draft seconds of drafted steps that follow drafted steps
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         self.table_every = table_every
         self.steps = 0
@@ -322,14 +324,25 @@ class BudgetController:
         self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
         step_s = max(draft_s + verify_s + other_s, 1e-12)
         gain = None
-        if drafted or cheap:
+        if drafted:
+            # A drafted step after non-drafted ones also absorbs their context into the drafter
+            # (DFlash consumes pending features at its next pass): a one-off cost of switching to
+            # the drafter, not its price per step, so the gate judges the steady draft time.
+            steady = self._last_kind == "draft"
+            if steady or self._steady_draft.count == 0:
+                self._steady_draft.add(draft_s)
+            judged = draft_s if steady else min(draft_s, self._steady_draft.value)
+            gain = accepted * self.plain_step_seconds(c) / max(judged + verify_s + other_s, 1e-12)
+        elif cheap:
             gain = accepted * self.plain_step_seconds(c) / step_s
-            self.surrogate.record(a_hat, accepted, depth_mass)
         elif s == 1:
             self._add_plain(1, c, step_s)
+        if drafted or cheap:
+            self.surrogate.record(a_hat, accepted, depth_mass)
         self._record_arm(self.gate, drafted, cheap, gain)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
+        self._last_kind = kind
         self.step_kinds[kind] += 1
         self.metrics.observe_step(verify_s, predicted, self.t_draft, self.t_other, self.gate.best() == "draft")
         if self.steps % self.table_every == 0:

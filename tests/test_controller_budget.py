@@ -249,3 +249,23 @@ def test_cheap_steps_go_to_their_own_arm_and_feed_the_surrogate():
     assert ctl.plain_step_seconds(c) == baseline
     assert ctl.surrogate.steps == 1 and ctl.surrogate.real_depth[:3].tolist() == [1.0, 1.0, 0.0]
     assert ctl.step_kinds == {"draft": 0, "cheap": 1, "plain": 1}
+
+
+def test_a_drafted_step_after_plain_ones_is_judged_by_the_steady_draft_time():
+    """The first drafted step after plain steps also absorbs their context into the drafter: a
+    one-off cost of switching. The gate judges it with the draft time of drafted steps that
+    follow drafted steps; a steady step is judged as measured."""
+    ctl = make_controller()
+    c = 300
+    m = ctl.model
+    steady = 0.3 * m.predict(1, c)
+    for _ in range(2):
+        spec_step(ctl, c, accepted=3)  # draft_s = steady
+    for _ in range(5):
+        plain_step(ctl, c)
+    verify = m.predict(16, c)
+    ctl.record_step(16, c, verify, 10 * steady, 1e-3, 3.0, 3)
+    want = 3 * ctl.plain_step_seconds(c) / (steady + verify + 1e-3)
+    assert ctl.gate.last_gain["draft"] == pytest.approx(want, rel=1e-9)
+    ctl.record_step(16, c, verify, 2 * steady, 1e-3, 3.0, 3)  # after a drafted step: as measured
+    assert ctl.gate.last_gain["draft"] == pytest.approx(3 * ctl.plain_step_seconds(c) / (2 * steady + verify + 1e-3))

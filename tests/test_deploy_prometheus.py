@@ -69,6 +69,7 @@ def speculative_engine(target, registry):
     """Engine in mode bastion: suffix drafter, adaptive controller on `registry`, quick calibration."""
     from controller.calibration import CalibrationGrid, calibrate
     from controller.budget import BudgetController
+    from controller.gate import SpeculationGate
     from drafting.suffix import SuffixDrafter
     from engine.engine import Engine
     from engine.timing import verify_timer
@@ -78,9 +79,12 @@ def speculative_engine(target, registry):
         result = calibrate(verify_timer(target.model, drafter.feature_layers), target.config, target.dtype,
                            CalibrationGrid((1, 4, 16, 64), (32, 128)), model_name=f"{target.name}-deploy-test",
                            cache_dir=cache, warmup=1, repeats=2, time_budget_s=3.0, progress=False)
-    # table_every=4: the latency-table gauge appears after 4 steps rather than 16.
+    # table_every=4: the latency-table gauge appears after 4 steps rather than 16. The gate drafts
+    # every step: which arm 16-token requests settle on is the gate's own test's business
+    # (tests/test_controller_gate.py), the panels here need drafted steps.
     controller = BudgetController.from_calibration(result, None, "cpu", registry=registry,
-                                                    max_depth=drafter.max_depth, table_every=4)
+                                                    max_depth=drafter.max_depth, table_every=4,
+                                                    gate=SpeculationGate(arms=("draft",)))
     return Engine(target, drafter, controller)
 
 
@@ -188,7 +192,7 @@ def traffic(server, prometheus):
     # Prometheus' first scrape must come before the traffic, or the counters start at their final values.
     wait_for(lambda: values(query(prometheus, "bastion_model_ready")) == [1.0], 30, "the first scrape")
     assert httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=10).status_code == 400
-    assert chat(url, *PROMPTS[0]) == 200  # first, while the controller's gate still drafts
+    assert chat(url, *PROMPTS[0]) == 200
     statuses: list[int] = []
     threads = [threading.Thread(target=lambda a: statuses.append(chat(url, *a)), args=(a,)) for a in PROMPTS[1:]]
     for t in threads:
