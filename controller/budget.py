@@ -15,7 +15,7 @@ full drafter, its free part and plain decoding (controller/gate.py) by their rea
 per second over a plain step's, measured: the median ratio of recent plain steps' times to the
 latency model's C(1) scales the model's prediction at the step's context.
 
-`observe` feeds the online profiler, the AR gate and the surrogate check (`record_step`),
+`observe` feeds the online profiler, the gate and the surrogate check (`record_step`),
 then exports the controller's own gauges. Step figures every mode shares (speedup, tree
 sizes, accepted lengths) are the engine's step accounting (engine/accounting.py), not here.
 The method is described in docs/method.md, sections 8 and 9.
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class BudgetController:
-    """Owns the latency model, the running step-time estimates, the AR gate and the surrogate check.
+    """Owns the latency model, the running step-time estimates, the gate and the surrogate check.
 
     model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
     calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
@@ -87,9 +87,9 @@ class BudgetController:
         self._plain: dict[int, collections.deque] = {}
         self._plain_history = plain_history
         self._plain_added: dict[int, int] = {}
-        self._plain_ratio: dict[int, tuple[tuple, float]] = {}  # cached median ratio, keyed by what it reads
+        self._plain_ratio: dict[int, tuple] = {}  # cached (model, key, median ratio): recomputed when either changes
         self.batch_steps = 0
-        self._last_kind = "plain"
+        self._last: tuple[str, int] = ("plain", -1)  # the last single-sequence step: kind, context after it
         self._steady_draft = RunningMean(0.3)  # draft seconds of drafted steps that follow drafted steps
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         self.table_every = table_every
@@ -167,7 +167,8 @@ class BudgetController:
                               st.min_nodes, st.max_nodes, st.bucket, st.top_k)
 
     def should_draft(self, batch_size: int = 1) -> bool:
-        """False when the full drafter is not this step's best choice at this batch size."""
+        """False when the full drafter is not this step's choice at this batch size (the gate's best
+        arm, or the arm it explores)."""
         return self.gate_for(batch_size).choice() == "draft"
 
     def allow_cheap(self, batch_size: int = 1) -> bool:
@@ -177,7 +178,7 @@ class BudgetController:
 
     def gate_for(self, batch_size: int) -> SpeculationGate:
         """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of
-        batch_size. A new class starts from the averages of the next smaller class."""
+        batch_size. A new class starts from the averages of the largest smaller class that exists."""
         if batch_size <= 1:
             return self.gate
         key = 1 << (int(batch_size) - 1).bit_length()
@@ -185,7 +186,8 @@ class BudgetController:
         if gate is None:
             alpha, every, arms = self._gate_proto
             gate = self._batch_gates[key] = SpeculationGate(alpha, every, arms)
-            gate.inherit(self.gate if key == 2 else self._batch_gates.get(key // 2, self.gate))
+            smaller = [k for k in self._batch_gates if k < key]
+            gate.inherit(self._batch_gates[max(smaller)] if smaller else self.gate)
         return gate
 
     def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, gain: float | None) -> None:
@@ -196,36 +198,38 @@ class BudgetController:
         else:
             arm = "cheap" if gate.choice() == "cheap" else "plain"
             gain = 1.0
-        if arm in gate.gain:
+        if arm in gate.gain and gain is not None and 0 <= gain < float("inf"):
             gate.record(arm, gain)
-        else:  # a gate restricted to fewer arms (bastion calibrate drafts every step)
+        else:  # a gate restricted to fewer arms (bastion calibrate drafts every step), or a bad timing
             gate.tick()
 
-    def predicted_plain_seconds(self, context_len: int, batch_size: int = 1) -> float:
+    def predicted_plain_seconds(self, context_len: int, batch_size: int = 1, model: LatencyModel | None = None) -> float:
         """The latency model's seconds of a plain step's forward: C(1, c), or C_b(b) plus the
-        per-sequence overhead for a batch caching context_len tokens in all."""
+        per-sequence overhead for a batch caching context_len tokens in all. model: default the current one."""
+        model = model or self.model
         if batch_size <= 1:
-            return float(self.model.predict(1, context_len))
-        return self.model.predict_batch(batch_size, batch_size, context_len) + self.seq_overhead.value * (batch_size - 1)
+            return float(model.predict(1, context_len))
+        return model.predict_batch(batch_size, batch_size, context_len) + self.seq_overhead.value * (batch_size - 1)
 
     def plain_step_seconds(self, context_len: int, batch_size: int = 1) -> float:
         """Seconds of a plain step of batch_size sequences caching context_len tokens in all:
         the model's forward at this context times the median ratio of recent measured plain
-        steps (the whole step) to the model's forward at theirs; without any at this batch
-        size, the single-sequence ratio; without any at all, the model alone."""
+        steps (verify and other time) to the model's forward at theirs; without any at this
+        batch size, the single-sequence ratio; without any at all, the model alone."""
+        model = self.profiler.model  # once: a background refit may swap it meanwhile
         b = batch_size if batch_size in self._plain else 1
-        return self.predicted_plain_seconds(context_len, batch_size) * self._measured_ratio(b)
+        return self.predicted_plain_seconds(context_len, batch_size, model) * self._measured_ratio(b, model)
 
-    def _measured_ratio(self, b: int) -> float:
+    def _measured_ratio(self, b: int, model: LatencyModel) -> float:
         hist = self._plain.get(b)
         if not hist:
             return 1.0
-        key = (id(self.model), self.seq_overhead.value, self._plain_added[b])
+        key = (self._plain_added[b], self.seq_overhead.value if b > 1 else 0.0)
         cached = self._plain_ratio.get(b)
-        if cached is None or cached[0] != key:
-            ratio = float(np.median([t / self.predicted_plain_seconds(c, b) for c, t in hist]))
-            self._plain_ratio[b] = cached = (key, ratio)
-        return cached[1]
+        if cached is None or cached[0] is not model or cached[1] != key:
+            ratio = float(np.median([t / self.predicted_plain_seconds(c, b, model) for c, t in hist]))
+            self._plain_ratio[b] = cached = (model, key, ratio)
+        return cached[2]
 
     def _add_plain(self, b: int, context_total: int, seconds: float) -> None:
         hist = self._plain.setdefault(b, collections.deque(maxlen=self._plain_history))
@@ -265,8 +269,7 @@ class BudgetController:
         batched cost (measured verify time minus the roofline's C_b, per extra sequence) and the
         measured plain step time at this batch size; a drafted one T_draft(b) and T_other(b) and
         feeds the batch-size class's gate with its realised gain over a plain batched step
-        (`plain_step_seconds`). Drafted and cheap trees
-        go to the surrogate check.
+        (`plain_step_seconds`). Drafted and cheap trees go to the surrogate check.
         """
         b = len(stats)
         if b < 2:
@@ -308,7 +311,7 @@ class BudgetController:
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
                     cheap: bool = False) -> None:
-        """Feed one finished step to the profiler, the AR gate and the surrogate check, then
+        """Feed one finished step to the profiler, the gate and the surrogate check, then
         export the controller's gauges (latency predicted vs measured, T_draft, T_other, gate).
 
         s: tokens verified (tree size, root included; 1 for a plain step); c: cached tokens
@@ -325,24 +328,26 @@ class BudgetController:
         step_s = max(draft_s + verify_s + other_s, 1e-12)
         gain = None
         if drafted:
-            # A drafted step after non-drafted ones also absorbs their context into the drafter
-            # (DFlash consumes pending features at its next pass): a one-off cost of switching to
-            # the drafter, not its price per step, so the gate judges the steady draft time.
-            steady = self._last_kind == "draft"
-            if steady or self._steady_draft.count == 0:
+            # A drafted step that does not directly follow a drafted step of the same sequence
+            # also absorbs the context since (the prompt, or plain steps) into the drafter: a
+            # one-off cost of switching to it, not its price per step, so the gate judges it by
+            # the steady draft time once one is known. Same sequence: the context grew by what
+            # the previous step accepted.
+            steady = self._last == ("draft", c)
+            if steady:
                 self._steady_draft.add(draft_s)
-            judged = draft_s if steady else min(draft_s, self._steady_draft.value)
+            judged = draft_s if steady or not self._steady_draft.count else min(draft_s, self._steady_draft.value)
             gain = accepted * self.plain_step_seconds(c) / max(judged + verify_s + other_s, 1e-12)
         elif cheap:
             gain = accepted * self.plain_step_seconds(c) / step_s
         elif s == 1:
-            self._add_plain(1, c, step_s)
+            self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
             self.surrogate.record(a_hat, accepted, depth_mass)
         self._record_arm(self.gate, drafted, cheap, gain)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
-        self._last_kind = kind
+        self._last = (kind, c + int(accepted))
         self.step_kinds[kind] += 1
         self.metrics.observe_step(verify_s, predicted, self.t_draft, self.t_other, self.gate.best() == "draft")
         if self.steps % self.table_every == 0:

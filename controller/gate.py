@@ -11,18 +11,21 @@ steps without a sample, and at once if its last sample beat the best arm's avera
 (where one step's noise decides) are thus re-checked every MIN_PERIOD steps (so the best arm
 keeps most steps and its own average stays fresh), a clear loser only every E steps. What it
 costs and buys:
-- a sample of an arm behind by `gap` costs `gap` of a step, once per period, so each losing
-  arm costs at most gap / (1 + 2 E gap) < 1 / (2 E) of the best arm's throughput (under
-  0.8 % per arm at the default E = 64), whatever the gap;
+- a sample of an arm behind by `gap` costs `gap` of a step, once per period, so a losing arm
+  costs gap / (1 + 2 E gap) < 1 / (2 E) of the best arm's throughput while gap < 1/2 (under
+  0.8 % at the default E = 64) and gap / E <= 1 / E beyond (the period is capped at E), plus
+  the rare immediate re-samples of a noisy loser whose last sample beat the best;
 - every arm is sampled at least once per explore_every steps, so a drafter that starts paying
   is back within explore_every steps plus the few samples its average needs to cross the
   best (consecutive, since each winning sample is followed at once).
-The averages are state of the machine and the drafter, so they carry from request to request;
+An arm's average weighs its newest gain by max(alpha, 1 / n) over its n samples (a mean of the
+first few, then exponential). The averages are state of the machine and the drafter, so they
+carry from request to request;
 alpha = 0.15 turns speculation down within six steps of a prompt where the drafter stops paying
 (gain 1.5 -> 0.6) and, against the geometric noise of accepted lengths, keeps a drafter worth
 1.4x on for about 90 % of steps in the simulated machine of tests/test_controller_robust.py
 (0.3 reacted in three steps but dropped that to about 77 %). The rule is
-described in docs/controller.md ("The gate").
+described in docs/method.md (section 8) and measured in docs/controller.md ("Robust choices").
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class SpeculationGate:
         self.explore_every = explore_every
         self.gain: dict[str, float | None] = {a: (1.0 if a == "plain" else None) for a in self.arms}
         self.samples = {a: 0 for a in self.arms}
+        self._n = {a: 0 for a in self.arms}  # samples in the average, an inherited one included
         self.last = {a: 0 for a in self.arms}  # step count at the arm's latest sample
         self.last_gain: dict[str, float | None] = {a: None for a in self.arms}
         self.t = 0
@@ -98,17 +102,19 @@ class SpeculationGate:
         """
         if arm not in self.gain:
             raise ValueError(f"unknown arm {arm!r}; this gate has {self.arms}")
-        if gain < 0 or gain != gain:
-            raise ValueError(f"gain must be a non-negative number, got {gain}")
+        if not 0 <= gain < float("inf"):
+            raise ValueError(f"gain must be a finite non-negative number, got {gain}")
         was = self.best()
         self.t += 1
         self.samples[arm] += 1
+        self._n[arm] += 1
         self.last[arm] = self.t
         if arm == "plain":
             gain = 1.0
         else:
             old = self.gain[arm]
-            self.gain[arm] = gain if old is None else old + self.alpha * (gain - old)
+            w = max(self.alpha, 1.0 / self._n[arm])
+            self.gain[arm] = gain if old is None else old + w * (gain - old)
         self.last_gain[arm] = gain
         if was == "draft" and self.best() != "draft":
             self.switches_off += 1
@@ -118,12 +124,13 @@ class SpeculationGate:
         self.t += 1
 
     def inherit(self, other: "SpeculationGate") -> None:
-        """Start from another gate's averages (a new batch-size class from its neighbour's), as
-        single samples, so this class's own steps replace them fast."""
+        """Start from another gate's averages (a new batch-size class from its neighbour's), each
+        counted as one sample, so this class's first own sample weighs half."""
         for a in self.arms:
             if a != "plain" and other.gain.get(a) is not None:
                 self.gain[a] = other.gain[a]
                 self.last_gain[a] = other.gain[a]
+                self._n[a] = 1
 
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""
