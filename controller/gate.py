@@ -11,10 +11,13 @@ steps without a sample, and at once if its last sample beat the best arm's avera
 (where one step's noise decides) are thus re-checked every MIN_PERIOD steps (so the best arm
 keeps most steps and its own average stays fresh), a clear loser only every E steps. What it
 costs and buys:
-- a sample of an arm behind by `gap` costs `gap` of a step, once per period, so a losing arm
-  costs gap / (1 + 2 E gap) < 1 / (2 E) of the best arm's throughput while gap < 1/2 (under
-  0.8 % at the default E = 64) and gap / E <= 1 / E beyond (the period is capped at E), plus
-  the rare immediate re-samples of a noisy loser whose last sample beat the best;
+- a sample of an arm behind by `gap` costs `gap` of that step's time, once per period: for
+  steps about as long as the best arm's, a losing arm costs gap / (1 + 2 E gap) < 1 / (2 E)
+  of the throughput while gap < 1/2 (under 0.8 % at the default E = 64) and about gap / E
+  beyond (the period is capped at E), plus the rare immediate re-samples of a noisy loser.
+  A losing step that is much longer than the best arm's costs more: in bfloat16 without AMX
+  an 8-node tree took 4.9 plain steps' time for 1.37 tokens, so a sample like it loses 3.5
+  plain steps, 5.5 % at E = 64 (docs/results/controller_bench.md);
 - every arm is sampled at least once per explore_every steps, so a drafter that starts paying
   is back within explore_every steps plus the few samples its average needs to cross the
   best (consecutive, since each winning sample is followed at once).
