@@ -86,8 +86,7 @@ class BudgetController:
         # Recent plain steps per batch size: (cached tokens in all, measured seconds of the step).
         self._plain: dict[int, collections.deque] = {}
         self._plain_history = plain_history
-        self._plain_added: dict[int, int] = {}
-        self._plain_ratio: dict[int, tuple] = {}  # cached (model, key, median ratio): recomputed when either changes
+        self._plain_ratio: dict[int, tuple] = {}  # cached (model, seq_overhead, median ratio); dropped on a new plain step
         self.batch_steps = 0
         self._last: tuple[str, int] = ("plain", -1)  # the last single-sequence step: kind, context after it
         self._steady_draft = RunningMean(0.3)  # draft seconds of drafted steps that follow drafted steps
@@ -169,7 +168,7 @@ class BudgetController:
     def should_draft(self, batch_size: int = 1) -> bool:
         """False when the full drafter is not this step's choice at this batch size (the gate's best
         arm, or the arm it explores)."""
-        return self.gate_for(batch_size).choice() == "draft"
+        return self.gate_for(batch_size).should_draft()
 
     def allow_cheap(self, batch_size: int = 1) -> bool:
         """On a step that does not draft: True when the drafter's free proposals are the choice
@@ -224,17 +223,22 @@ class BudgetController:
         hist = self._plain.get(b)
         if not hist:
             return 1.0
-        key = (self._plain_added[b], self.seq_overhead.value if b > 1 else 0.0)
+        overhead = self.seq_overhead.value if b > 1 else 0.0
         cached = self._plain_ratio.get(b)
-        if cached is None or cached[0] is not model or cached[1] != key:
-            ratio = float(np.median([t / self.predicted_plain_seconds(c, b, model) for c, t in hist]))
-            self._plain_ratio[b] = cached = (model, key, ratio)
+        if cached is None or cached[0] is not model or cached[1] != overhead:
+            cs = np.array([c for c, _ in hist])
+            ts = np.array([t for _, t in hist])
+            if b == 1:
+                pred = model.predict(np.ones(len(cs)), cs)
+            else:
+                pred = np.array([self.predicted_plain_seconds(int(c), b, model) for c in cs])
+            self._plain_ratio[b] = cached = (model, overhead, float(np.median(ts / pred)))
         return cached[2]
 
     def _add_plain(self, b: int, context_total: int, seconds: float) -> None:
-        hist = self._plain.setdefault(b, collections.deque(maxlen=self._plain_history))
-        hist.append((int(context_total), float(seconds)))
-        self._plain_added[b] = self._plain_added.get(b, 0) + 1
+        self._plain.setdefault(b, collections.deque(maxlen=self._plain_history)).append(
+            (int(context_total), float(seconds)))
+        self._plain_ratio.pop(b, None)
 
     # ---- batched steps ----------------------------------------------------------------
 

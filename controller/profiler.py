@@ -120,7 +120,10 @@ class OnlineProfiler:
     def _refit(self, recent: list[StepRecord], err_before: float) -> None:
         old = self.model
         pts = [(r.s, r.c, r.verify_s, 1.0) for r in recent]
-        level = float(np.median([r.verify_s / self.calibrated.predict(r.s, r.c) for r in recent])) if recent else 1.0
+        level = 1.0
+        if recent:
+            base = self.calibrated.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
+            level = float(np.median(np.array([r.verify_s for r in recent]) / base))
         pts += [(s, c, t * level, 2.0) for s, c, t in self.calibration_points]
         arr = np.asarray(pts, dtype=np.float64)
         try:
