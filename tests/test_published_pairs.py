@@ -177,8 +177,10 @@ def test_tiny_published_layout_loads_and_tree_decoding_equals_ar(tmp_path, kind)
     from engine.sampling import SamplingParams
 
     tfolder, dfolder = _write_pair(tmp_path, kind)
-    tree = build_engine(EngineSettings(target=str(tfolder), drafter=str(dfolder), mode="tree", budget=8))
-    ar = build_engine(EngineSettings(target=str(tfolder), drafter="none", mode="ar"))
+    # float32 for both: dtype "auto" decides by timing, and the two engines could pick differently.
+    tree = build_engine(EngineSettings(target=str(tfolder), drafter=str(dfolder), mode="tree", budget=8,
+                                       dtype="float32"))
+    ar = build_engine(EngineSettings(target=str(tfolder), drafter="none", mode="ar", dtype="float32"))
     assert tree.drafter is not None and tree.drafter.feature_layers == (2, 3)
     msgs = [{"role": "user", "content": "w1 w2 w3 w4 w5"}]
     ids = tree.chat_prompt_ids(msgs)
