@@ -1,38 +1,50 @@
-"""`bastion train-drafter`: resumable stages prompts -> data -> train, all under one output folder.
+"""`bastion train-drafter`: resumable stages data -> train.
 
-    runs/drafter/prompts.jsonl          stage prompts (training.prompts.training_prompts)
-    runs/drafter/data/shard_*.pt        stage data: target responses + features + top-k (training.datagen)
-    runs/drafter/train/                 stage train: ckpt.pt, loss.jsonl, eval.jsonl, best/ (training.train_loop)
+    data/drafter/                       stage data: token shards + manifest, committed (training.datagen)
+    data/drafter-train/                 stage train: compact resumable state + loss.jsonl + eval.jsonl,
+                                        committed (training.train_loop)
+    runs/drafter/train/                 stage train, local: ckpt.pt (exact resume point), best/
+    $BASTION_CACHE/drafter-features/    the target's features for the shards, computed on first use
 
-Each stage skips what is already on disk, so rerunning the same command resumes.
-Stages can run as separate processes (data keeps growing while train re-reads new shards).
+Each stage continues from what is on disk, so rerunning the same command resumes, on this
+machine or on a new clone. Stages can run as separate processes (train re-reads new shards).
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
-STAGES = ("prompts", "data", "train")
+STAGES = ("data", "train")
 
 
 def add_arguments(parser) -> None:
     from bastion.settings import env_default
+    from training.shards import DEFAULT_DATA_DIR
 
     parser.add_argument("--out", default="runs/drafter", help="output folder (default runs/drafter)")
-    parser.add_argument("--stages", default="prompts,data,train", help="comma-separated subset of prompts,data,train")
-    parser.add_argument("--threads", type=int, default=env_default("threads", "1"),
-                        help="torch CPU threads (default $BASTION_THREADS or 1: leave the shared cores to others)")
-    parser.add_argument("--n-prompts", type=int, default=8000, help="training prompts to generate responses for")
-    parser.add_argument("--prompt-seed", type=int, default=0)
+    parser.add_argument("--stages", default="data,train", help="comma-separated subset of data,train")
+    parser.add_argument("--threads", type=int, default=env_default("threads", "0"),
+                        help="torch CPU threads (default $BASTION_THREADS or 0: every core; a training job "
+                             "should have the machine to itself)")
     parser.add_argument("--data-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="target dtype for generation (float32 is faster on CPUs without AMX)")
-    parser.add_argument("--gen-batch", type=int, default=128, help="prompts decoded together (one shard)")
+    parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
+                        help="token shards (committed; default data/drafter in the repository)")
+    parser.add_argument("--response-tokens", type=int, default=2_000_000,
+                        help="the data stage adds shards until the folder holds this many response tokens")
+    parser.add_argument("--shard-prompts", type=int, default=512, help="prompts per shard (half template, half magpie)")
+    parser.add_argument("--gen-slots", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--max-new", type=int, default=256, help="response tokens per prompt")
     parser.add_argument("--top-k", type=int, default=8, help="target log-probs kept per position (soft labels)")
-    parser.add_argument("--max-shards", type=int, default=0, help="stop the data stage after this many shards (0: all)")
+    parser.add_argument("--state-dir", default=str(DEFAULT_DATA_DIR.parent / "drafter-train"),
+                        help="compact resumable training state and learning-curve logs (committed; "
+                             "default data/drafter-train)")
+    parser.add_argument("--feature-cache", default="",
+                        help="folder for the target's cached features (default $BASTION_CACHE/drafter-features)")
+    parser.add_argument("--max-shards", type=int, default=0, help="stop the data stage after this many new shards "
+                                                                  "(0: until --response-tokens)")
     # train
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--layers", type=int, default=1)
@@ -50,7 +62,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per eval prompt")
     parser.add_argument("--ship", default="", help="also export every best-tau checkpoint to this folder")
     parser.add_argument("--init", default="", help="initialise from this exported drafter when no ckpt.pt exists")
-    parser.add_argument("--wait-data", type=int, default=1, help="minimum shards before training starts")
 
 
 def _log(out: Path, name: str):
@@ -59,60 +70,23 @@ def _log(out: Path, name: str):
     return logging.getLogger(f"bastion.train.{name}")
 
 
-def stage_prompts(args, out: Path) -> Path:
-    from training.prompts import training_prompts
-
-    path = out / "prompts.jsonl"
-    if path.exists() and sum(1 for _ in open(path)) >= args.n_prompts:
-        return path
-    rows = training_prompts(args.n_prompts, seed=args.prompt_seed)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    tmp.rename(path)
-    return path
-
-
 def stage_data(args, out: Path, log) -> None:
+    """Append token shards to `--data-dir` until it holds `--response-tokens` (training.datagen)."""
     import torch
 
-    from training.datagen import write_shards
+    from engine.forward import target_forward_for
     from engine.loader import load_target
+    from training.datagen import build_shards
 
-    rows = [json.loads(line) for line in open(out / "prompts.jsonl")]
-    if args.max_shards:
-        rows = rows[: args.max_shards * args.gen_batch]
     target = load_target(None, args.data_dtype)
-    layers = tuple(i + 1 for i in _layer_ids(target.config))
-    meta = out / "data" / "meta.json"
-    meta.parent.mkdir(parents=True, exist_ok=True)
-    if meta.exists():
-        old = json.loads(meta.read_text())
-        if tuple(old["feature_layers"]) != layers:
-            raise SystemExit(f"{meta} was written with feature layers {old['feature_layers']}, not {list(layers)}")
-    else:
-        meta.write_text(json.dumps({"feature_layers": list(layers), "dtype": args.data_dtype, "max_new": args.max_new,
-                                    "top_k": args.top_k, "prompts": str(out / "prompts.jsonl")}))
-    log.info("data: %d prompts, batch %d, %s, threads %d", len(rows), args.gen_batch, args.data_dtype,
-             torch.get_num_threads())
-    res = write_shards(target.model, target.tokenizer, rows, out / "data", layers, shard_size=args.gen_batch,
-                       max_new=args.max_new, top_k=args.top_k, eos=target.eos_token_ids,
-                       progress=lambda d: log.info("shard %(shard)d: %(seqs)d seqs, %(response_tokens)d tokens, "
-                                                   "%(seconds).0f s, %(tok_per_s).0f tok/s", d))
-    log.info("data done: %s", res)
-
-
-def _layer_ids(target_config) -> list[int]:
-    from training.train import TrainConfig
-
-    n = int(target_config.num_hidden_layers)
-    ids = list(TrainConfig.target_layer_ids)
-    if max(ids) >= n:  # another target: spread three layers evenly (the default rule, docs/method.md, section 2)
-        from drafting.dflash import default_target_layer_ids
-
-        ids = default_target_layer_ids(n, 3)
-    return ids
+    fw = target_forward_for(target.model)
+    log.info("data: into %s until %d response tokens, %s, threads %d", args.data_dir, args.response_tokens,
+             args.data_dtype, torch.get_num_threads())
+    man = build_shards(Path(args.data_dir), target, fw, args.response_tokens, shard_prompts=args.shard_prompts,
+                       max_new=args.max_new, slots=args.gen_slots, max_shards=args.max_shards,
+                       progress=lambda e: log.info("%(file)s: %(sequences)d seqs, %(response_tokens)d response tokens, "
+                                                   "%(seconds).0f s, %(response_tok_per_s).0f tok/s", e))
+    log.info("data done: %s", man.get("totals"))
 
 
 def run(args) -> int:
@@ -120,7 +94,8 @@ def run(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, args.threads))
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
@@ -128,9 +103,6 @@ def run(args) -> int:
         return 2
     log = _log(out, "_".join(stages))
     t0 = time.time()
-    if "prompts" in stages:
-        p = stage_prompts(args, out)
-        log.info("prompts: %s", p)
     if "data" in stages:
         stage_data(args, out, log)
     if "train" in stages:

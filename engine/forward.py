@@ -147,8 +147,8 @@ class TargetForward:
 
     @torch.inference_mode()
     def __call__(self, pool: KVPool, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                 feature_layers: tuple[int, ...] = (), last_only: bool = False, backend: str = "sdpa"
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 feature_layers: tuple[int, ...] = (), last_only: bool = False, backend: str = "sdpa",
+                 logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the target over the segments' new tokens, writing their keys and values into `pool`.
 
         tokens, positions: [N] int64 on the model's device (N = sum of segment n, segment
@@ -156,7 +156,10 @@ class TargetForward:
         backend: the tree attention backend (engine.attention.BACKENDS).
         feature_layers: hidden-state indices to return (0 = embeddings, l = decoder layer l's
         output, L = the final norm's output). last_only: logits of each segment's last row only.
-        Returns (logits [N or len(segments), V], features [N, len(feature_layers) * H] or None).
+        logit_rows: int64 [R] row indices whose logits are wanted (a teacher-forced pass that
+        scores only response positions); overrides last_only.
+        Returns (logits [rows, V]: N rows, len(segments) with last_only, R with logit_rows;
+        features [N, len(feature_layers) * H] or None).
         Raises CacheCapacityError (engine.kv_cache) before any write when a segment does not
         fit its slot, ValueError when the rows and segments disagree or a feature layer is
         outside 0..L.
@@ -210,7 +213,9 @@ class TargetForward:
         x = self._rms(x, self.norm)
         if self.num_layers in want:
             kept[self.num_layers] = x
-        if last_only:
+        if logit_rows is not None:
+            x = x[logit_rows]
+        elif last_only:
             ends = list(itertools.accumulate(s.n for s in segments))
             x = x[-1:] if len(segments) == 1 else x[torch.tensor(ends, device=x.device) - 1]
         logits = self.lm_head(x)

@@ -1,4 +1,4 @@
-"""Drafter training pipeline on a tiny random target: data generation, block mask, one step, export, resume."""
+"""Drafter training on a tiny random target: block mask, train/inference agreement, one step, export, resume."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +9,13 @@ import pytest
 import torch
 from helpers import tiny_target
 
-from training.datagen import greedy_batch, write_shards
 from drafting.dflash import load_dflash
+from engine.forward import TargetForward
+from training.features import teacher_forced
+from training.generate import decode_many
+from training.shards import Sequence, write_shard
 from training.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
-from training.train_loop import ShardData, build, export, save_ckpt, train_stage, train_step
+from training.train_loop import build, export, load_state, save_ckpt, save_state, train_stage, train_step
 
 LAYERS = (0, 1)  # target_layer_ids of the tiny 2-layer target
 
@@ -22,11 +25,20 @@ def target():
     return tiny_target(vocab=16, seed=3)
 
 
+def greedy_records(target, n_prompts: int = 6, max_new: int = 24, seed: int = 0) -> list[dict]:
+    """Greedy responses of the tiny target to random prompts, with their teacher-forced features."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 16, (int(n),), generator=gen).tolist() for n in (3, 5, 4, 6, 2, 5)[:n_prompts]]
+    fw = TargetForward(target.model, packed=False)
+    outs = decode_many(fw, prompts, max_new, set(), slots=4)
+    seqs = [(torch.tensor(p + d.response).numpy(), len(p)) for p, d in zip(prompts, outs)]
+    return [{"ids": torch.from_numpy(ids).int(), "prompt_len": pl, **f}
+            for (ids, pl), f in zip(seqs, teacher_forced(fw, seqs, tuple(i + 1 for i in LAYERS), 4, max_rows=40))]
+
+
 @pytest.fixture(scope="module")
 def records(target):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 16, (int(n),), generator=gen).tolist() for n in (3, 5, 4, 6, 2, 5)]
-    return greedy_batch(target.model, prompts, 24, set(), tuple(i + 1 for i in LAYERS), top_k=4)
+    return greedy_records(target)
 
 
 def cfg_for(**kw) -> TrainConfig:
@@ -36,18 +48,22 @@ def cfg_for(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def test_greedy_batch_matches_unbatched_greedy_and_features(target, records):
-    """Left-padded static-cache decoding gives each prompt's own greedy tokens and teacher-forced features."""
+def test_generated_data_is_greedy_and_features_equal_a_transformers_forward(target, records):
+    """Batched decoding gives each prompt's own greedy tokens; the teacher-forced features and top-k
+    equal transformers' hidden states and logits over the finished sequence."""
     m = target.model
-    for r in records[:3]:
+    assert len(records) == 6 and all(len(r["ids"]) - r["prompt_len"] == 24 for r in records)
+    for r in records:
         ids = r["ids"].long()[None]
         out = m(input_ids=ids, output_hidden_states=True)
         pl = r["prompt_len"]
         assert torch.equal(out.logits[0, pl - 1:-1].argmax(-1), ids[0, pl:])
         want = torch.cat([out.hidden_states[i + 1][0, :-1] for i in LAYERS], -1)
         torch.testing.assert_close(r["features"].float(), want, atol=2e-2, rtol=2e-2)
-        assert r["top_ids"].shape[0] == ids.shape[1] - pl
+        assert r["top_ids"].shape == (ids.shape[1] - pl, 4)
         assert torch.equal(r["top_ids"][:, 0].long(), ids[0, pl:])
+        lp = torch.log_softmax(out.logits[0, pl - 1:-1].float(), -1).gather(1, r["top_ids"].long())
+        torch.testing.assert_close(r["top_lp"].float(), lp, atol=2e-2, rtol=1e-2)
 
 
 def test_block_mask_follows_recipe():
@@ -155,54 +171,76 @@ def test_export_reloads_with_identical_logits(target, records, tmp_path):
 def test_resume_continues_from_last_checkpoint(target, records, tmp_path):
     """3 steps + checkpoint + 2 resumed steps == 5 uninterrupted steps (same batches)."""
     cfg = cfg_for(draft_vocab=12)
-    data = ShardData(tmp_path)
-    data.seqs = records
+    counts = torch.bincount(torch.cat([r["ids"][r["prompt_len"]:].long() for r in records]), minlength=16)
     batches = [make_batch(records[i % 3: i % 3 + 3], cfg, torch.Generator().manual_seed(i)) for i in range(5)]
-    tr, opt = build(target.model, cfg, data, None)
+    tr, opt = build(target.model, cfg, counts, None)
     for s in range(5):
         train_step(tr, opt, batches[s], s)
-    tr2, opt2 = build(target.model, cfg, data, None)
+    tr2, opt2 = build(target.model, cfg, counts, None)
     for s in range(3):
         train_step(tr2, opt2, batches[s], s)
     save_ckpt(tmp_path / "ckpt.pt", tr2, opt2, {"step": 3})
+    save_state(tmp_path / "state", tr2, opt2, {"step": 3, "gen_state": torch.Generator().manual_seed(5).get_state()})
     ck = torch.load(tmp_path / "ckpt.pt", weights_only=False)
-    tr3, opt3 = build(target.model, cfg_for(draft_vocab=0), data, ck)  # config and d2t come from the checkpoint
+    tr3, opt3 = build(target.model, cfg_for(draft_vocab=0), None, ck)  # config and d2t come from the checkpoint
     assert torch.equal(tr3.model.d2t, tr.model.d2t)
+    # The compact state (moments in bfloat16) resumes the same run up to the moments' rounding.
+    st = load_state(tmp_path / "state")
+    assert st["state"]["step"] == 3
+    assert torch.equal(st["state"]["gen_state"], torch.Generator().manual_seed(5).get_state())
+    tr4, opt4 = build(target.model, cfg_for(draft_vocab=0), None, st)
+    assert torch.equal(tr4.model.d2t, tr.model.d2t)
+    for (k, a), b in zip(tr2.model.state_dict().items(), tr4.model.state_dict().values()):
+        assert torch.equal(a, b), k  # weights are stored in float32
     for s in range(3, 5):
         train_step(tr3, opt3, batches[s], s)
-    for (k, a), b in zip(tr.model.state_dict().items(), tr3.model.state_dict().values()):
+        train_step(tr4, opt4, batches[s], s)
+    moved = 0.0
+    for (k, a), b, c, d in zip(tr.model.state_dict().items(), tr3.model.state_dict().values(),
+                               tr4.model.state_dict().values(), tr2.model.state_dict().values()):
         assert torch.equal(a, b), k
+        if a.is_floating_point():
+            # the bf16-moment resume lands within 2 % of the two steps' own movement
+            torch.testing.assert_close(c, a, atol=0.02 * float((a - d).abs().max()) + 1e-7, rtol=0)
+            moved = max(moved, float((a - d).abs().max()))
+    assert moved > 0
 
 
-def test_train_stage_resumes_from_its_checkpoint(target, tmp_path):
-    """The stage runs to --steps, writes ckpt.pt, and a second run with a larger horizon continues it."""
-    prompts = [{"id": i, "prompt": str(i)} for i in range(8)]
+def _write_data(target, folder, n_shards=2):
+    for k in range(n_shards):
+        recs = greedy_records(target, seed=k, max_new=12)
+        write_shard(folder, [Sequence(r["ids"].numpy(), r["prompt_len"], "test", False) for r in recs], "tiny")
 
-    class Tok:
-        eos_token_id = None
 
-        def apply_chat_template(self, msgs, **kw):
-            return {"input_ids": [1 + int(c) for c in msgs[0]["content"]] + [2, 3]}
-
-    write_shards(target.model, Tok(), prompts, tmp_path / "data", tuple(i + 1 for i in LAYERS), shard_size=4,
-                 max_new=12, top_k=4, eos=set())
-    assert len(list((tmp_path / "data").glob("shard_*.pt"))) == 2
+def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(target, tmp_path):
+    """The stage runs to --steps and writes ckpt.pt and the compact state; a second run with a larger
+    horizon continues it; without ckpt.pt (a new machine) it continues from the committed state."""
+    _write_data(target, tmp_path / "data")
     args = argparse.Namespace(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3,
                               steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
-                              eval_prompts=0, eval_tokens=8, ship="", init="", wait_data=1)
+                              eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
+                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4)
     log = logging.getLogger("test")
     # A tiny config: the stage builds from args, so patch the target-specific fields through TrainConfig defaults.
     import training.train_loop as tl
 
     orig = tl.config_from_args
-    tl.config_from_args = lambda a: cfg_for(draft_vocab=a.draft_vocab, steps=a.steps, batch=a.batch, blocks=a.blocks)
+    tl.config_from_args = lambda a, c: cfg_for(draft_vocab=a.draft_vocab, steps=a.steps, batch=a.batch,
+                                               blocks=a.blocks)
     try:
         train_stage(args, tmp_path, log, target=target)
         ck = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
-        assert ck["state"]["step"] == 3
+        assert ck["state"]["step"] == 3 and ck["state"]["sampler"]["pos"] == 6
+        assert load_state(tmp_path / "state")["state"]["step"] == 3
         args.steps = 5
         train_stage(args, tmp_path, log, target=target)
         ck2 = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
         assert ck2["state"]["step"] == 5 and ck2["state"]["train_s"] > ck["state"]["train_s"]
+        (tmp_path / "train" / "ckpt.pt").unlink()
+        args.steps = 7
+        train_stage(args, tmp_path, log, target=target)
+        ck3 = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
+        assert ck3["state"]["step"] == 7 and ck3["state"]["sampler"]["pos"] == 2  # 12 sequences a epoch
+        assert ck3["state"]["sampler"]["epoch"] == 1
     finally:
         tl.config_from_args = orig

@@ -1,146 +1,156 @@
-"""Training data for the drafter: the target's own greedy responses, with its features, fast.
+"""The data stage: prompts from two sources, the target's greedy answers, token shards in git.
 
-`greedy_batch` decodes a batch of chat prompts with a preallocated static KV cache
-(left padding, one explicit 4-D mask, no cache concatenation), and captures on the
-way, for free, what training needs from the target:
+Each shard holds `shard_prompts` sequences, half from each source:
 
-* `features`: hidden states at the drafter's feature layers (HF index, 0 = embeddings),
-  concatenated, for every token the target consumed (prompt from the prefill, each
-  response token from the decode step that fed it) -> [T-1, n_layers * H] bfloat16;
-* `top_ids` / `top_lp`: the target's top-k next-token log-probabilities at every
-  response-predicting position (prompt_len-1 .. T-2) for soft-label distillation.
+* ``template``: `training.prompts.training_prompts` (chat, code and math templates), one
+  fixed list of `TEMPLATE_POOL` prompts sliced shard by shard;
+* ``magpie``: user turns the target writes itself when given only its chat template's
+  user prefix (Magpie, arXiv 2406.08464), sampled at temperature 1 with top-p 0.95,
+  filtered (ended with EOS, 3..150 words, mostly printable ASCII), deduplicated against
+  every prompt already in the folder, and checked for OVERLAP_SPAN-word overlap with every
+  benchmark prompt.
 
-So the separate teacher-forced feature pass is not needed (docs/drafter.md has the
-measurements). `write_shards` runs it over a prompt list, one shard file per batch,
-skipping shards already written, so the stage resumes after any interruption.
+Responses are the target's greedy decoding (`training.generate.decode_many`) of the chat
+prompt, up to `max_new` tokens. `build_shards` appends shards until the folder holds
+`response_tokens` response tokens (or `max_shards` new shards), so a stopped run resumes
+by running the same command: shard k always takes template prompts [k*h, (k+1)*h) and the
+magpie sampler is seeded by k.
 """
 from __future__ import annotations
 
-import inspect
-import json
 import logging
+import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
-from transformers import StaticCache
+
+from engine.sampling import SamplingParams
+from training.generate import decode_many
+from training.prompts import OVERLAP_SPAN, _span_index, default_benchmark_texts, normalized_words, training_prompts, \
+    word_spans
+from training.shards import Sequence, read_all, read_manifest, write_shard
 
 log = logging.getLogger(__name__)
 
+#: Size of the fixed template prompt list shards slice (enough for 2 x TEMPLATE_POOL responses).
+TEMPLATE_POOL = 16000
+MAGPIE_PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=128)
+_SENTINEL = "QXQXSENTINELQXQX"
+
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The target's chat template with the generation prompt -> token ids."""
+    """The target's chat template for one user turn, with the generation prompt -> token ids."""
     out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)
     return list(out["input_ids"])
 
 
-@torch.inference_mode()
-def greedy_batch(model, prompts: list[list[int]], max_new: int, eos: set[int], feature_layers: tuple[int, ...],
-                 top_k: int = 8) -> list[dict]:
-    """Greedy-decode `prompts` together; return one record per prompt.
+def user_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user turn's text begins (Magpie's prompt).
 
-    Record: ids int32 [T] (prompt + response, EOS included when reached), prompt_len,
-    features bf16 [T-1, len(feature_layers)*H], top_ids int32 / top_lp float16
-    [T-prompt_len, top_k] (the target's top-k at positions prompt_len-1 .. T-2).
+    Raises ValueError when the template does not render the user text verbatim.
     """
-    dev = model.device
-    b = len(prompts)
-    P = max(len(p) for p in prompts)
-    L = P + max_new
-    pads = torch.tensor([P - len(p) for p in prompts], device=dev)
-    ids = torch.zeros((b, P), dtype=torch.long, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p, device=dev)
-    cache = StaticCache(config=model.config, max_cache_len=L)
-    keys = torch.arange(L, device=dev)
-    valid = keys[None, :] >= pads[:, None]  # [b, L] key slot holds a real token (once written)
-    neg = torch.finfo(model.dtype).min
-    ckw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-    def mask_for(q_pos: torch.Tensor) -> torch.Tensor:
-        """Additive [b, 1, q, L] mask: key k visible when valid and k <= query slot."""
-        m = valid[:, None, None, :] & (keys[None, None, None, :] <= q_pos[None, None, :, None])
-        return torch.zeros(m.shape, dtype=model.dtype, device=dev).masked_fill_(~m, neg)
-
-    pos = (torch.arange(P, device=dev)[None, :] - pads[:, None]).clamp_(min=0)
-    out = model(input_ids=ids, position_ids=pos, attention_mask=mask_for(torch.arange(P, device=dev)),
-                cache_position=torch.arange(P, device=dev), use_cache=True,
-                output_hidden_states=True, logits_to_keep=1, **{ckw: cache})
-    feats = [torch.cat([out.hidden_states[l] for l in feature_layers], dim=-1).to(torch.bfloat16).cpu()]
-    lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-    tops = [torch.topk(lp, top_k, dim=-1)]
-    nxt = lp.argmax(-1)
-    toks = [nxt.cpu()]
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    eos_t = torch.tensor(sorted(eos) or [-1], device=dev)
-    done |= torch.isin(nxt, eos_t)
-    lens = torch.full((b,), max_new, dtype=torch.long)  # response length incl. EOS
-    lens[done.cpu()] = 1
-    for t in range(1, max_new):
-        if bool(done.all()):
-            break
-        slot = torch.tensor([P + t - 1], device=dev)
-        out = model(input_ids=nxt[:, None], position_ids=(P + t - 1 - pads)[:, None], attention_mask=mask_for(slot),
-                    cache_position=slot, use_cache=True, output_hidden_states=True, **{ckw: cache})
-        feats.append(torch.cat([out.hidden_states[l] for l in feature_layers], dim=-1).to(torch.bfloat16).cpu())
-        lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-        tops.append(torch.topk(lp, top_k, dim=-1))
-        nxt = lp.argmax(-1)
-        toks.append(nxt.cpu())
-        fin = torch.isin(nxt, eos_t) & ~done
-        lens[fin.cpu()] = t + 1
-        done |= fin
-    gen = torch.stack(toks, dim=1)  # [b, n]
-    F = torch.cat(feats, dim=1)  # [b, P + n - 1, D]
-    top_ids = torch.stack([t.indices for t in tops], dim=1).int().cpu()
-    top_lp = torch.stack([t.values for t in tops], dim=1).half().cpu()
-    recs = []
-    for i, p in enumerate(prompts):
-        n = int(lens[i])
-        pl = len(p)
-        seq = torch.cat([torch.tensor(p, dtype=torch.int32), gen[i, :n].int()])
-        f = F[i, P - pl: P + n - 1].clone()  # features of positions 0 .. T-2
-        recs.append({"ids": seq, "prompt_len": pl, "features": f,
-                     "top_ids": top_ids[i, :n].clone(), "top_lp": top_lp[i, :n].clone()})
-    return recs
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not render the user's text verbatim")
+    return list(tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)["input_ids"])
 
 
-def write_shards(model, tokenizer, prompts: list[dict], out_dir: Path, feature_layers: tuple[int, ...],
-                 shard_size: int = 64, max_new: int = 256, max_prompt: int = 192, top_k: int = 8,
-                 eos: set[int] | None = None, progress=None) -> dict:
-    """Generate every shard of `prompts` not yet on disk; return totals.
+def prompt_key(text: str) -> str:
+    """Deduplication key: lower-case words without punctuation."""
+    return " ".join(normalized_words(text))
 
-    Shard i holds prompts[i*shard_size:(i+1)*shard_size] as `shard_{i:05d}.pt` (a list of
-    `greedy_batch` records plus prompt ids); progress lines go to `out_dir/progress.jsonl`.
-    Prompts are sorted by length inside a shard so left padding stays small.
+
+def acceptable_user_turn(text: str) -> bool:
+    """Filter for a sampled user turn: 3..150 words, >= 95 % printable ASCII, no template markers."""
+    words = text.split()
+    if not 3 <= len(words) <= 150 or "<|" in text:
+        return False
+    printable = sum(1 for ch in text if 32 <= ord(ch) < 127 or ch in "\n\t")
+    return printable >= 0.95 * len(text)
+
+
+def magpie_prompts(fw, tokenizer, eos: set[int], n: int, seed: int, seen: set[str], benchmark_index: set,
+                   slots: int = 64, oversample: float = 1.6) -> list[str]:
+    """Up to `n` new user turns written by the target (see the module docstring).
+
+    seen: dedup keys of prompts already used (updated in place). benchmark_index: the
+    OVERLAP_SPAN-word spans of the benchmark prompts (training.prompts._span_index).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    eos = eos if eos is not None else {tokenizer.eos_token_id}
-    n_shards = (len(prompts) + shard_size - 1) // shard_size
-    total_tok = 0
-    for s in range(n_shards):
-        path = out_dir / f"shard_{s:05d}.pt"
-        if path.exists():
-            continue
-        rows = prompts[s * shard_size:(s + 1) * shard_size]
-        enc = [(r, chat_ids(tokenizer, r["prompt"])[-max_prompt:]) for r in rows]
-        enc.sort(key=lambda x: len(x[1]))
+    prefix = user_prefix_ids(tokenizer)
+    gen = torch.Generator(device=fw.device).manual_seed(1_000_003 * seed + 17)
+    out: list[str] = []
+    tries = 0
+    while len(out) < n and tries < 4:
+        tries += 1
+        m = int((n - len(out)) * oversample) + 8
+        for d in decode_many(fw, [prefix] * m, MAGPIE_PARAMS.max_tokens, eos, MAGPIE_PARAMS, slots=slots,
+                             generator=gen):
+            if not d.ended:
+                continue
+            text = tokenizer.decode(d.response, skip_special_tokens=True).strip()
+            key = prompt_key(text)
+            if not acceptable_user_turn(text) or key in seen or not benchmark_index.isdisjoint(word_spans(text)):
+                continue
+            seen.add(key)
+            out.append(text)
+            if len(out) == n:
+                break
+    return out
+
+
+def folder_prompt_texts(folder: Path, tokenizer) -> list[str]:
+    """The user-turn text of every sequence in a data folder (decoded from its prompt ids)."""
+    prefix = len(user_prefix_ids(tokenizer))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], add_generation_prompt=True,
+                                         tokenize=False)
+    tail = len(tokenizer(text[text.index(_SENTINEL) + len(_SENTINEL):], add_special_tokens=False)["input_ids"])
+    return [tokenizer.decode(s.ids[prefix:s.prompt_len - tail].tolist(), skip_special_tokens=True).strip()
+            for s in read_all(folder, verify=False)]
+
+
+def build_shards(folder: Path, target, fw, response_tokens: int, shard_prompts: int = 512, max_new: int = 256,
+                 max_prompt: int = 384, slots: int = 64, max_shards: int = 0, target_id: str = "smollm2",
+                 progress: Callable[[dict], None] | None = None) -> dict:
+    """Append shards to `folder` until it holds `response_tokens` response tokens.
+
+    target: an engine.loader.Target (tokenizer, EOS ids); fw: its TargetForward.
+    max_shards: stop after this many new shards (0: no limit). Returns the manifest.
+    """
+    tok = target.tokenizer
+    eos = target.eos_token_ids
+    half = shard_prompts // 2
+    bench = _span_index(default_benchmark_texts(), OVERLAP_SPAN)
+    templates = training_prompts(TEMPLATE_POOL, seed=0)
+    seen = {prompt_key(t) for t in folder_prompt_texts(folder, tok)} | {prompt_key(r["prompt"]) for r in templates}
+    made = 0
+    while True:
+        man = read_manifest(folder)
+        have = sum(s["response_tokens"] for s in man["shards"])
+        if have >= response_tokens or (max_shards and made >= max_shards):
+            return man
+        k = len(man["shards"])
         t0 = time.perf_counter()
-        recs = greedy_batch(model, [e[1] for e in enc], max_new, eos, feature_layers, top_k)
-        dt = time.perf_counter() - t0
-        for (r, _), rec in zip(enc, recs):
-            rec["prompt_id"] = r.get("id")
-            rec["kind"] = r.get("kind")
-        tmp = path.with_suffix(".tmp")
-        torch.save(recs, tmp)
-        tmp.rename(path)
-        ntok = sum(len(r["ids"]) - r["prompt_len"] for r in recs)
-        total_tok += ntok
-        line = {"shard": s, "seqs": len(recs), "response_tokens": ntok, "seconds": round(dt, 2),
-                "tok_per_s": round(ntok / dt, 1), "time": time.time()}
-        with open(out_dir / "progress.jsonl", "a") as fh:
-            fh.write(json.dumps(line) + "\n")
+        rows = [("template", r["prompt"]) for r in templates[k * half:(k + 1) * half]]
+        t_magpie = time.perf_counter()
+        rows += [("magpie", p) for p in magpie_prompts(fw, tok, eos, shard_prompts - len(rows), k, seen, bench,
+                                                       slots=slots)]
+        t_magpie = time.perf_counter() - t_magpie
+        enc = [(src, chat_ids(tok, p)) for src, p in rows]
+        enc = [(src, ids) for src, ids in enc if len(ids) <= max_prompt]
+        random.Random(k).shuffle(enc)
+        t_resp = time.perf_counter()
+        outs = decode_many(fw, [ids for _, ids in enc], max_new, eos, slots=slots)
+        t_resp = time.perf_counter() - t_resp
+        seqs = [Sequence(torch.tensor(ids + d.response).numpy(), len(ids), src, d.ended)
+                for (src, ids), d in zip(enc, outs)]
+        n_resp = sum(len(d.response) for d in outs)
+        entry = write_shard(folder, seqs, target_id, meta={
+            "generator": "greedy", "dtype": str(fw.dtype).replace("torch.", ""), "max_new": max_new,
+            "seconds": round(time.perf_counter() - t0, 1), "magpie_seconds": round(t_magpie, 1),
+            "response_tok_per_s": round(n_resp / t_resp, 1), "threads": torch.get_num_threads()})
+        made += 1
         if progress:
-            progress(line)
-    return {"shards": n_shards, "new_tokens": total_tok}
+            progress(entry)

@@ -1,11 +1,18 @@
-"""The train stage: data loading, AdamW + warm-up/cosine, checkpoints, loss log, tau evaluation, export.
+"""The train stage: token shards + cached features, AdamW + warm-up/cosine, resumable state, tau evaluation, export.
 
-Folder `out/train/`:
-    ckpt.pt        model + optimiser + step + data/time counters (resume point, written atomically)
-    loss.jsonl     one line per `log_every` steps (loss, hard/soft parts, acc@1, estimated tau, lr, blocks/s)
-    eval.jsonl     one line per evaluation: real speculative decoding through engine.Engine, chain and
-                   32-node tree, greedy, on held-out validation prompts -> tau
-    best/          the exported drafter (config.json + model.safetensors) with the best tree tau so far
+Data: `TokenData` reads the committed token shards (training.shards) and gets each
+sequence's target features from a `training.features.FeatureStore` (teacher-forced on
+first use, cached outside git). `EpochSampler` visits every sequence once per epoch in a
+fresh seeded order; `make_batch` draws the anchors of each visit anew.
+
+State, two copies:
+    out/train/ckpt.pt      exact (float32 everything), written every --ckpt-minutes: resume on this machine
+    --state-dir            compact, meant for git (data/drafter-train by default): state.safetensors
+                           (float32 weights, AdamW moments in bfloat16, the anchor generator's state),
+                           state.json (config, counters, sampler cursor), loss.jsonl and eval.jsonl
+                           (the learning curve); written with every ckpt.pt
+On start the newer of the two is resumed (by step), else `--init` (an exported drafter),
+else a fresh initialisation.
 """
 from __future__ import annotations
 
@@ -17,36 +24,110 @@ from pathlib import Path
 import torch
 
 from drafting.dflash import save_dflash
-from training.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter, token_counts
+from training.features import FeatureStore, store_key, teacher_forced
+from training.shards import read_manifest, read_shard
+from training.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter
 
 
-class ShardData:
-    """All finished shards of a data folder in memory; `refresh()` picks up new shards."""
+class TokenData:
+    """The token shards of a data folder with their features, computed on first use.
 
-    def __init__(self, folder: Path, vocab_size: int = 0, min_response: int = 2):
-        self.folder = Path(folder)
-        self.vocab_size = vocab_size
+    fw: the target's engine.forward.TargetForward (features come from it, teacher-forced);
+    layers: feature layers (HF hidden_states indices); cache_dir: where FeatureStores live.
+    Sequences with fewer than `min_response` response tokens are skipped.
+    """
+
+    def __init__(self, folder: Path, fw, layers: tuple[int, ...], cache_dir: Path, top_k: int = 8,
+                 min_response: int = 2):
+        self.folder, self.fw, self.layers, self.top_k = Path(folder), fw, tuple(layers), top_k
+        self.cache_dir = Path(cache_dir)
         self.min_response = min_response
-        self.loaded: set[str] = set()
-        self.seqs: list[dict] = []
-        self.tokens = 0
-        self.counts = None  # token_counts over all loaded sequences
+        self.loaded: list[str] = []
+        self.ids: list[torch.Tensor] = []
+        self.prompt_lens: list[int] = []
+        self._where: list[tuple[FeatureStore, int]] = []
+        self.tokens = 0  # response tokens
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
     def refresh(self) -> int:
+        """Load shards of the manifest not loaded yet (checksums verified); returns how many."""
+        man = read_manifest(self.folder)
+        width = len(self.layers) * int(self.fw.config.hidden_size)
         new = 0
-        for p in sorted(self.folder.glob("shard_*.pt")):
-            if p.name in self.loaded:
+        for entry in man["shards"]:
+            if entry["file"] in self.loaded:
                 continue
-            recs = [r for r in torch.load(p, weights_only=False) if len(r["ids"]) - r["prompt_len"] >= self.min_response]
-            if recs and self.vocab_size:
-                c = token_counts(recs, self.vocab_size)
-                self.counts = c if self.counts is None else self.counts + c
-            for r in recs:
-                self.seqs.append(r)
-                self.tokens += len(r["ids"]) - r["prompt_len"]
-            self.loaded.add(p.name)
+            seqs = read_shard(self.folder, entry, man["sources"])
+            store = FeatureStore(self.cache_dir, store_key(entry["sha256"], self.layers, self.top_k, self.fw.dtype),
+                                 [len(s.ids) for s in seqs], [s.prompt_len for s in seqs], width, self.top_k)
+            for j, s in enumerate(seqs):
+                if s.response_len < self.min_response:
+                    continue
+                self.ids.append(torch.from_numpy(s.ids).int())
+                self.prompt_lens.append(s.prompt_len)
+                self._where.append((store, j))
+                self.tokens += s.response_len
+            self.loaded.append(entry["file"])
             new += 1
         return new
+
+    def counts(self, vocab_size: int) -> torch.Tensor:
+        """Response-token counts over every loaded sequence -> int64 [vocab_size]."""
+        c = torch.zeros(vocab_size, dtype=torch.long)
+        for ids, pl in zip(self.ids, self.prompt_lens):
+            c += torch.bincount(ids[pl:].long(), minlength=vocab_size)
+        return c
+
+    def records(self, indices: list[int]) -> list[dict]:
+        """Training records (ids, prompt_len, features, top_ids, top_lp) of sequences `indices`,
+        computing the missing features in one teacher-forced call first."""
+        todo = [i for i in indices if not self._where[i][0].done[self._where[i][1]]]
+        if todo:
+            for i, rec in zip(todo, teacher_forced(self.fw, [(self.ids[i].numpy(), self.prompt_lens[i]) for i in todo],
+                                                   self.layers, self.top_k)):
+                store, j = self._where[i]
+                store.put(j, rec)
+        out = []
+        for i in indices:
+            store, j = self._where[i]
+            out.append({"ids": self.ids[i], "prompt_len": self.prompt_lens[i], **store.get(j)})
+        return out
+
+
+class EpochSampler:
+    """Sequence indices in a fresh seeded random order each epoch; the cursor is its whole state.
+
+    Sequences added while an epoch runs join at the next epoch.
+    """
+
+    def __init__(self, seed: int, epoch: int = 0, pos: int = 0, n: int = 0):
+        self.seed, self.epoch, self.pos, self.n = seed, epoch, pos, n
+
+    def _order(self) -> torch.Tensor:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+
+    def take(self, total: int, k: int) -> list[int]:
+        """The next `k` indices (of `total` sequences now loaded), crossing into the next epoch as needed."""
+        out: list[int] = []
+        while len(out) < k:
+            if self.n == 0 or self.pos >= self.n:
+                if self.n:
+                    self.epoch += 1
+                self.n, self.pos = total, 0
+            order = self._order()
+            take = order[self.pos:self.pos + k - len(out)].tolist()
+            out += take
+            self.pos += len(take)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "n": self.n}
+
+    @classmethod
+    def from_state(cls, d: dict) -> "EpochSampler":
+        return cls(d["seed"], d["epoch"], d["pos"], d["n"])
 
 
 def validation_prompts(n: int, train_texts: set[str], seed: int = 777) -> list[str]:
@@ -101,33 +182,89 @@ def export(trainer: DrafterTrainer, path: Path, dtype=torch.bfloat16) -> None:
 
 
 def save_ckpt(path: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
+    """The exact resume point (float32 weights and moments, counters, sampler and generator state)."""
     tmp = path.with_suffix(".tmp")
     torch.save({"model": trainer.model.state_dict(), "opt": opt.state_dict(), "cfg": trainer.cfg.to_dict(),
                 "state": state}, tmp)
     tmp.rename(path)
 
 
-def build(target_model, cfg: TrainConfig, data: ShardData | None, ckpt: dict | None):
-    """Trainer + optimiser, restored from `ckpt` when given (its d2t and config win)."""
+def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
+    """The compact resume point for git: float32 weights, AdamW moments in bfloat16, counters.
+
+    Writes folder/state.safetensors and folder/state.json (atomically, json last). `state`
+    holds the counters, the sampler cursor and the anchor generator's state (a uint8 tensor
+    under "gen_state", stored in the safetensors file).
+    """
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+    steps = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                tensors[f"opt.{names[id(p)]}.exp_avg"] = st["exp_avg"].to(torch.bfloat16).contiguous()
+                tensors[f"opt.{names[id(p)]}.exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16).contiguous()
+                steps[names[id(p)]] = float(st["step"])
+    meta = {k: v for k, v in state.items() if k != "gen_state"}
+    if "gen_state" in state:
+        tensors["gen_state"] = state["gen_state"]
+    tmp = folder / "state.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "bastion-drafter-train-1"})
+    tmp.rename(folder / "state.safetensors")
+    body = {"cfg": trainer.cfg.to_dict(), "state": meta, "opt_steps": steps}
+    (folder / "state.json.tmp").write_text(json.dumps(body, indent=1) + "\n")
+    (folder / "state.json.tmp").rename(folder / "state.json")
+
+
+def load_state(folder: Path) -> dict | None:
+    """A checkpoint dict (model, opt, cfg, state; the shape `build` takes) from `save_state`'s
+    files, or None when the folder has none."""
+    from safetensors.torch import load_file
+
+    if not (folder / "state.json").exists():
+        return None
+    body = json.loads((folder / "state.json").read_text())
+    t = load_file(str(folder / "state.safetensors"))
+    state = dict(body["state"])
+    if "gen_state" in t:
+        state["gen_state"] = t["gen_state"]
+    model = {k[len("model."):]: v for k, v in t.items() if k.startswith("model.")}
+    moments = {k[len("opt."):]: v.float() for k, v in t.items() if k.startswith("opt.")}
+    return {"model": model, "cfg": body["cfg"], "state": state,
+            "opt_named": {n: {"step": torch.tensor(s), "exp_avg": moments[f"{n}.exp_avg"],
+                              "exp_avg_sq": moments[f"{n}.exp_avg_sq"]} for n, s in body["opt_steps"].items()}}
+
+
+def build(target_model, cfg: TrainConfig, vocab_counts: torch.Tensor | None, ckpt: dict | None):
+    """Trainer + optimiser, restored from `ckpt` when given (its d2t and config win).
+
+    vocab_counts: token counts choosing the reduced vocabulary of a fresh run (`frequent_vocab`).
+    ckpt: from torch.load(ckpt.pt) (key "opt": an optimiser state_dict) or `load_state`
+    (key "opt_named": moments by parameter name).
+    """
     d2t = None
     if ckpt is not None:
         cfg = TrainConfig.from_dict(ckpt["cfg"])
         if "d2t" in ckpt["model"]:
             d2t = ckpt["model"]["d2t"]
     elif cfg.draft_vocab:
-        d2t = vocab_from(data, target_model.config.vocab_size, cfg.draft_vocab)
+        d2t = frequent_vocab([], target_model.config.vocab_size, cfg.draft_vocab, vocab_counts)
     trainer = DrafterTrainer(target_model, cfg, d2t)
-    opt = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=cfg.lr,
-                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     if ckpt is not None:
         trainer.model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
+        if "opt" in ckpt:
+            opt.load_state_dict(ckpt["opt"])
+        else:
+            sd = opt.state_dict()
+            sd["state"] = {i: ckpt["opt_named"][n] for i, (n, _) in enumerate(named) if n in ckpt["opt_named"]}
+            opt.load_state_dict(sd)
     return trainer, opt
-
-
-def vocab_from(data: ShardData, vocab_size: int, size: int) -> torch.Tensor:
-    """The reduced vocabulary for the data loaded so far."""
-    return frequent_vocab(data.seqs, vocab_size, size, data.counts)
 
 
 def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
@@ -148,37 +285,67 @@ def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
     return m
 
 
-def config_from_args(args) -> TrainConfig:
+def config_from_args(args, target_config) -> TrainConfig:
     return TrainConfig(block_size=args.block_size, num_layers=args.layers, draft_vocab=args.draft_vocab,
                        inject_anchor=not args.no_inject, soft_weight=args.soft_weight, lr=args.lr, steps=args.steps,
-                       batch=args.batch, blocks=args.blocks)
+                       batch=args.batch, blocks=args.blocks, target_layer_ids=tuple(layer_ids_for(target_config)))
+
+
+def layer_ids_for(target_config) -> list[int]:
+    """The drafter's target layers: TrainConfig's default where the target has them, else three
+    spread evenly (the default rule, docs/method.md section 2)."""
+    n = int(target_config.num_hidden_layers)
+    ids = list(TrainConfig.target_layer_ids)
+    if max(ids) >= n:
+        from drafting.dflash import default_target_layer_ids
+
+        ids = default_target_layer_ids(n, 3)
+    return ids
+
+
+def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
+    """The newer (by step) of the exact local checkpoint and the committed compact state."""
+    local = torch.load(tdir / "ckpt.pt", weights_only=False) if (tdir / "ckpt.pt").exists() else None
+    committed = load_state(state_dir)
+    if local is None or (committed is not None and committed["state"]["step"] > local["state"]["step"]):
+        return committed
+    return local
 
 
 def train_stage(args, out: Path, log, target=None) -> None:
     """Train until `args.steps` (the cosine horizon; may be raised on resume) or `args.minutes`.
 
-    target: a loaded engine.loader.Target (default: the embedded target in bfloat16, as shipped).
+    target: a loaded engine.loader.Target (default: the embedded target in float32: features
+    and evaluation both run through it).
     """
-    from engine.loader import load_target
+    from engine.forward import target_forward_for
+    from engine.loader import cache_root, load_target
 
     tdir = out / "train"
     tdir.mkdir(parents=True, exist_ok=True)
+    state_dir = Path(args.state_dir)
     if target is None:
-        target = load_target(None, "bfloat16")  # evaluation runs the engine as shipped (bf16)
-    data = ShardData(out / "data", target.config.vocab_size)
-    while data.refresh() < args.wait_data and len(data.loaded) < args.wait_data:
-        log.info("train: waiting for data shards (%d so far)", len(data.loaded))
-        time.sleep(60)
-    log.info("train: %d sequences, %d response tokens", len(data.seqs), data.tokens)
-    ckpt_path = tdir / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
-    cfg = config_from_args(args)
-    trainer, opt = build(target.model, cfg, data, ckpt)
+        target = load_target(None, "float32")
+    fw = target_forward_for(target.model)
+    cfg = config_from_args(args, target.config)
+    ckpt = _resume_point(tdir, state_dir)
+    if ckpt is not None:
+        cfg = TrainConfig.from_dict(ckpt["cfg"])
+    layers = tuple(i + 1 for i in cfg.target_layer_ids)
+    data = TokenData(Path(args.data_dir), fw, layers, Path(args.feature_cache or cache_root() / "drafter-features"),
+                     top_k=args.top_k)
+    data.refresh()
+    if not len(data):
+        raise SystemExit(f"no training sequences in {args.data_dir}: run the data stage first")
+    log.info("train: %d sequences, %d response tokens", len(data), data.tokens)
+    V = target.config.vocab_size
+    trainer, opt = build(target.model, cfg, data.counts(V), ckpt)
     cfg = trainer.cfg
     if cfg.draft_vocab:  # re-chosen from all data loaded now (the weights do not depend on it)
-        trainer.set_vocab(vocab_from(data, target.config.vocab_size, cfg.draft_vocab))
+        trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
     cfg.steps = args.steps  # the horizon may grow when training continues
-    state = ckpt["state"] if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0}
+    state = dict(ckpt["state"]) if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0,
+                                              "feature_s": 0.0}
     if ckpt is None and args.init:
         from drafting.dflash import load_dflash
 
@@ -189,14 +356,24 @@ def train_stage(args, out: Path, log, target=None) -> None:
              state["train_s"] / 60, cfg.to_dict())
     val = []
     if args.eval_prompts:
-        train_texts = {json.loads(line)["prompt"] for line in open(out / "prompts.jsonl")}
-        val = validation_prompts(args.eval_prompts, train_texts)
+        from training.datagen import folder_prompt_texts
+
+        val = validation_prompts(args.eval_prompts, set(folder_prompt_texts(Path(args.data_dir), target.tokenizer)))
+    sampler = EpochSampler.from_state(state["sampler"]) if "sampler" in state else EpochSampler(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed + state["step"])
-    rng = random.Random(cfg.seed + state["step"])
+    if "gen_state" in state:
+        gen.set_state(state["gen_state"])
     t_start = time.time()
     last_ckpt = last_eval = time.time()
     if state["step"] == 0 or state.get("evals", 0) == 0:
         last_eval = 0.0  # evaluate the starting point once
+
+    def checkpoint():
+        state["sampler"] = sampler.state_dict()
+        state["gen_state"] = gen.get_state()
+        save_ckpt(tdir / "ckpt.pt", trainer, opt, state)
+        save_state(state_dir, trainer, opt, state)
+
     agg, n_agg, t_log = {}, 0, time.perf_counter()
     while state["step"] < cfg.steps:
         if args.minutes and time.time() - t_start > args.minutes * 60:
@@ -204,8 +381,8 @@ def train_stage(args, out: Path, log, target=None) -> None:
         if val and time.time() - last_eval > args.eval_minutes * 60:
             ev = evaluate_tau(target, trainer, val, args.eval_tokens)
             ev.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
-                      data_tokens=data.tokens, time=time.time())
-            with open(tdir / "eval.jsonl", "a") as fh:
+                      data_tokens=data.tokens, epoch=sampler.epoch, time=time.time())
+            with open(state_dir / "eval.jsonl", "a") as fh:
                 fh.write(json.dumps(ev) + "\n")
             log.info("eval step %d: chain tau %.3f, tree32 tau %.3f", state["step"], ev["chain"], ev["tree32"])
             state["evals"] = state.get("evals", 0) + 1
@@ -219,13 +396,16 @@ def train_stage(args, out: Path, log, target=None) -> None:
             last_eval = time.time()
         if state["step"] % 200 == 0 and data.refresh():
             if cfg.draft_vocab:
-                trainer.set_vocab(vocab_from(data, target.config.vocab_size, cfg.draft_vocab))
-            log.info("train: data now %d sequences, %d response tokens", len(data.seqs), data.tokens)
-        seqs = rng.sample(data.seqs, min(cfg.batch, len(data.seqs)))
-        batch = make_batch(seqs, cfg, gen, soft=cfg.soft_weight > 0)
+                trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
+            log.info("train: data now %d sequences, %d response tokens", len(data), data.tokens)
         t0 = time.perf_counter()
+        seqs = data.records(sampler.take(len(data), cfg.batch))
+        t1 = time.perf_counter()
+        batch = make_batch(seqs, cfg, gen, soft=cfg.soft_weight > 0)
         m = train_step(trainer, opt, batch, state["step"])
-        state["train_s"] += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        state["feature_s"] = state.get("feature_s", 0.0) + (t1 - t0)
+        state["train_s"] += t2 - t1
         state["step"] += 1
         state["blocks"] += int(batch["valid"].sum())
         for k, v in m.items():
@@ -236,14 +416,14 @@ def train_stage(args, out: Path, log, target=None) -> None:
             line = {k: round(v / n_agg, 5) for k, v in agg.items()}
             line.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
                         blocks_per_s=round(n_agg * cfg.batch * cfg.blocks / dt, 1), data_tokens=data.tokens,
-                        time=time.time())
-            with open(tdir / "loss.jsonl", "a") as fh:
+                        epoch=sampler.epoch, feature_h=round(state["feature_s"] / 3600, 4), time=time.time())
+            with open(state_dir / "loss.jsonl", "a") as fh:
                 fh.write(json.dumps(line) + "\n")
             log.info("step %d loss %.3f acc1 %.3f est_tau %.3f lr %.2e %.0f blocks/s", state["step"], line["loss"],
                      line["acc1"], line["est_tau"], line["lr"], line["blocks_per_s"])
             agg, n_agg, t_log = {}, 0, time.perf_counter()
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
-            save_ckpt(ckpt_path, trainer, opt, state)
+            checkpoint()
             last_ckpt = time.time()
-    save_ckpt(ckpt_path, trainer, opt, state)
+    checkpoint()
     log.info("train: stopped at step %d (%.1f min trained)", state["step"], state["train_s"] / 60)
