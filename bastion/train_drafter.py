@@ -75,8 +75,9 @@ def stage_data(args, out: Path, log) -> None:
     import torch
 
     from engine.forward import target_forward_for
-    from engine.loader import load_target
+    from engine.loader import cache_root, load_target
     from training.datagen import build_shards
+    from training.train_loop import layer_ids_for
 
     target = load_target(None, args.data_dtype)
     fw = target_forward_for(target.model)
@@ -84,6 +85,8 @@ def stage_data(args, out: Path, log) -> None:
              args.data_dtype, torch.get_num_threads())
     man = build_shards(Path(args.data_dir), target, fw, args.response_tokens, shard_prompts=args.shard_prompts,
                        max_new=args.max_new, slots=args.gen_slots, max_shards=args.max_shards,
+                       feature_cache=Path(args.feature_cache or cache_root() / "drafter-features"),
+                       feature_layers=tuple(i + 1 for i in layer_ids_for(target.config)), top_k=args.top_k,
                        progress=lambda e: log.info("%(file)s: %(sequences)d seqs, %(response_tokens)d response tokens, "
                                                    "%(seconds).0f s, %(response_tok_per_s).0f tok/s", e))
     log.info("data done: %s", man.get("totals"))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Background data generation for the drafter (resumable): prompts + target responses/features.
-# Usage: scripts/drafter_data.sh [extra bastion train-drafter flags]; log: runs/drafter/prompts_data.log
+# Background data generation for the drafter (resumable): token shards appended to data/drafter/.
+# Usage: scripts/drafter_data.sh [extra bastion train-drafter flags]; log: runs/drafter/data.log
+# Give it the machine: no test suite or benchmark beside it (pause with kill -STOP / kill -CONT).
 cd "$(dirname "$0")/.." && . .venv/bin/activate
-export BASTION_THREADS=${BASTION_THREADS:-1} OMP_NUM_THREADS=${BASTION_THREADS:-1}
-nohup bastion train-drafter --stages prompts,data "$@" > runs/drafter/data.nohup 2>&1 &
+mkdir -p runs/drafter
+nohup bastion train-drafter --stages data "$@" > runs/drafter/data.nohup 2>&1 &
 echo $! > runs/drafter/data.pid
 echo "data job pid $(cat runs/drafter/data.pid)"

@@ -1,6 +1,6 @@
-"""Plot the drafter's tau learning curve (runs/drafter/train/eval.jsonl) and loss (loss.jsonl) to a PNG.
+"""Plot the drafter's tau learning curve (data/drafter-train/eval.jsonl) and loss (loss.jsonl) to a PNG.
 
-Usage: python scripts/drafter_plot.py [runs/drafter] [docs/drafter_curve.png]; prints a markdown table.
+Usage: python scripts/drafter_plot.py [data/drafter-train] [docs/drafter_curve.png]; prints a markdown table.
 """
 import json
 import sys
@@ -11,23 +11,30 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-run = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/drafter")
+run = Path(sys.argv[1] if len(sys.argv) > 1 else "data/drafter-train")
 png = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/drafter_curve.png")
-ev = [json.loads(line) for line in open(run / "train" / "eval.jsonl")]
-loss = [json.loads(line) for line in open(run / "train" / "loss.jsonl")]
-fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+ev = [json.loads(line) for line in open(run / "eval.jsonl")]
+loss = [json.loads(line) for line in open(run / "loss.jsonl")]
+fig, ax = plt.subplots(1, 3, figsize=(15, 4))
 h = [e["train_h"] for e in ev]
 ax[0].plot(h, [e["chain"] for e in ev], "o-", label="chain (B-1 deep)")
 ax[0].plot(h, [e["tree32"] for e in ev], "s-", label="32-node tree")
-ax[0].set_xlabel("training hours (1 contended CPU thread)")
+ax[0].set_xlabel("training hours (optimiser steps only)")
 ax[0].set_ylabel("tau (held-out prompts, greedy)")
 ax[0].grid(alpha=0.3)
 ax[0].legend()
-ax[1].plot([r["train_h"] for r in loss], [r["loss"] for r in loss], label="loss")
-ax[1].plot([r["train_h"] for r in loss], [r["est_tau"] for r in loss], label="teacher-forced chain tau estimate")
-ax[1].set_xlabel("training hours")
+tok = [e["data_tokens"] / 1e6 for e in ev]
+ax[1].plot(tok, [e["chain"] for e in ev], "o", label="chain")
+ax[1].plot(tok, [e["tree32"] for e in ev], "s", label="32-node tree")
+ax[1].set_xlabel("response tokens of data loaded (millions)")
+ax[1].set_ylabel("tau (held-out prompts, greedy)")
 ax[1].grid(alpha=0.3)
 ax[1].legend()
+ax[2].plot([r["train_h"] for r in loss], [r["loss"] for r in loss], label="loss")
+ax[2].plot([r["train_h"] for r in loss], [r["est_tau"] for r in loss], label="teacher-forced chain tau estimate")
+ax[2].set_xlabel("training hours")
+ax[2].grid(alpha=0.3)
+ax[2].legend()
 fig.tight_layout()
 png.parent.mkdir(parents=True, exist_ok=True)
 fig.savefig(png, dpi=110)

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Background drafter training (resumes from runs/drafter/train/ckpt.pt; re-reads new data shards).
+# Background drafter training: resumes from runs/drafter/train/ckpt.pt or the committed data/drafter-train/
+# state, whichever is newer; re-reads new data shards; exports each best-tau drafter to the shipped folder.
 # Usage: scripts/drafter_train.sh [extra bastion train-drafter flags]; log: runs/drafter/train.log
+# Give it the machine: no test suite or benchmark beside it (pause with kill -STOP / kill -CONT).
 cd "$(dirname "$0")/.." && . .venv/bin/activate
-export BASTION_THREADS=${BASTION_THREADS:-1} OMP_NUM_THREADS=${BASTION_THREADS:-1}
-nohup bastion train-drafter --stages train --ship runs/drafter/ship "$@" > runs/drafter/train.nohup 2>&1 &
+mkdir -p runs/drafter
+nohup bastion train-drafter --stages train --ship drafting/checkpoints/smollm2-dflash "$@" \
+  > runs/drafter/train.nohup 2>&1 &
 echo $! > runs/drafter/train.pid
 echo "train job pid $(cat runs/drafter/train.pid)"

@@ -122,6 +122,14 @@ def test_decode_many_refills_slots_and_equals_greedy_alone(tiny, fw):
     assert [d.index for d in out] == list(range(6)) and sorted(d.index for d in seen) == list(range(6))
     for p, d in zip(prompts, out):
         assert d.response == _greedy_alone(tiny.model, p, 10) and not d.ended
+    # Features and top-k captured while decoding equal a teacher-forced pass over the result.
+    cap = decode_many(fw, prompts, 10, set(), slots=2, feature_layers=LAYERS, top_k=4)
+    tf = teacher_forced(fw, [(np.array(p + d.response), len(p)) for p, d in zip(prompts, cap)], LAYERS, 4)
+    for p, d, want in zip(prompts, cap, tf):
+        assert d.features.shape == (len(p) + 9, 64) and d.top_ids.shape == (10, 4)
+        torch.testing.assert_close(d.features.float(), want["features"].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(d.top_ids, want["top_ids"])
+        torch.testing.assert_close(d.top_lp.float(), want["top_lp"].float(), atol=1e-2, rtol=1e-2)
 
 
 def test_decode_many_stops_at_eos_and_samples_reproducibly(tiny, fw):
@@ -243,3 +251,32 @@ def test_committed_data_verifies_and_shares_no_span_with_any_benchmark(target_f3
     sources = {s.source for s in seqs}
     assert sources == {"template", "magpie"}
     assert len({prompt_key(t) for t in texts}) >= 0.99 * len(texts)
+
+
+def test_build_shards_appends_resumably_and_caches_the_captured_features(target_f32, tmp_path, monkeypatch):
+    """The data stage writes template + Magpie shards, resumes by shard index, and leaves the features it
+    captured in the cache, where the train stage finds them without a teacher-forced pass."""
+    from engine.forward import target_forward_for
+
+    fw32 = target_forward_for(target_f32.model)
+    layers = (2, 15, 28)
+    monkeypatch.setattr(datagen, "MAGPIE_PARAMS", SamplingParams(temperature=1.0, top_p=0.95, max_tokens=32))
+    kw = dict(shard_prompts=4, max_new=6, slots=4, feature_cache=tmp_path / "cache", feature_layers=layers, top_k=4)
+    man = datagen.build_shards(tmp_path / "data", target_f32, fw32, 10**9, max_shards=1, **kw)
+    assert len(man["shards"]) == 1 and man["shards"][0]["per_source"]["template"] == 2
+    assert 1 <= man["shards"][0]["per_source"].get("magpie", 0) <= 2
+    man = datagen.build_shards(tmp_path / "data", target_f32, fw32, 10**9, max_shards=1, **kw)
+    assert len(man["shards"]) == 2
+    texts = folder_prompt_texts(tmp_path / "data", target_f32.tokenizer)
+    # shard 1 takes the next templates and new Magpie prompts
+    assert len(texts) == man["totals"]["sequences"] >= 6 and len(set(map(prompt_key, texts))) == len(texts)
+    import training.train_loop as tl
+
+    monkeypatch.setattr(tl, "teacher_forced", lambda *a, **k: pytest.fail("features should come from the cache"))
+    data = TokenData(tmp_path / "data", fw32, layers, tmp_path / "cache", top_k=4, min_response=1)
+    data.refresh()
+    got = data.records(list(range(len(data))))
+    want = teacher_forced(fw32, [(r["ids"].numpy(), r["prompt_len"]) for r in got], layers, 4)
+    for r, w in zip(got, want):
+        torch.testing.assert_close(r["features"].float(), w["features"].float(), atol=5e-2, rtol=2e-2)
+        assert torch.equal(r["top_ids"][:, 0], w["top_ids"][:, 0])

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from engine.sampling import SamplingParams
+from training.features import FeatureStore, store_key
 from training.generate import decode_many
 from training.prompts import OVERLAP_SPAN, _span_index, default_benchmark_texts, normalized_words, training_prompts, \
     word_spans
@@ -113,11 +114,15 @@ def folder_prompt_texts(folder: Path, tokenizer) -> list[str]:
 
 def build_shards(folder: Path, target, fw, response_tokens: int, shard_prompts: int = 512, max_new: int = 256,
                  max_prompt: int = 384, slots: int = 64, max_shards: int = 0, target_id: str = "smollm2",
+                 feature_cache: Path | None = None, feature_layers: tuple[int, ...] = (), top_k: int = 8,
                  progress: Callable[[dict], None] | None = None) -> dict:
     """Append shards to `folder` until it holds `response_tokens` response tokens.
 
     target: an engine.loader.Target (tokenizer, EOS ids); fw: its TargetForward.
-    max_shards: stop after this many new shards (0: no limit). Returns the manifest.
+    max_shards: stop after this many new shards (0: no limit). feature_cache, feature_layers,
+    top_k: also store the features and top-k captured while decoding in the cache the train
+    stage reads (training.features.FeatureStore), so this machine never runs the
+    teacher-forced pass for its own shards. Returns the manifest.
     """
     tok = target.tokenizer
     eos = target.eos_token_ids
@@ -142,7 +147,9 @@ def build_shards(folder: Path, target, fw, response_tokens: int, shard_prompts: 
         enc = [(src, ids) for src, ids in enc if len(ids) <= max_prompt]
         random.Random(k).shuffle(enc)
         t_resp = time.perf_counter()
-        outs = decode_many(fw, [ids for _, ids in enc], max_new, eos, slots=slots)
+        capture = feature_cache is not None and bool(feature_layers)
+        outs = decode_many(fw, [ids for _, ids in enc], max_new, eos, slots=slots,
+                           feature_layers=feature_layers if capture else (), top_k=top_k if capture else 0)
         t_resp = time.perf_counter() - t_resp
         seqs = [Sequence(torch.tensor(ids + d.response).numpy(), len(ids), src, d.ended)
                 for (src, ids), d in zip(enc, outs)]
@@ -151,6 +158,12 @@ def build_shards(folder: Path, target, fw, response_tokens: int, shard_prompts: 
             "generator": "greedy", "dtype": str(fw.dtype).replace("torch.", ""), "max_new": max_new,
             "seconds": round(time.perf_counter() - t0, 1), "magpie_seconds": round(t_magpie, 1),
             "response_tok_per_s": round(n_resp / t_resp, 1), "threads": torch.get_num_threads()})
+        if capture:
+            store = FeatureStore(feature_cache, store_key(entry["sha256"], feature_layers, top_k, fw.dtype),
+                                 [len(q.ids) for q in seqs], [q.prompt_len for q in seqs], outs[0].features.shape[-1],
+                                 top_k)
+            for j, d in enumerate(outs):
+                store.put(j, {"features": d.features, "top_ids": d.top_ids, "top_lp": d.top_lp})
         made += 1
         if progress:
             progress(entry)

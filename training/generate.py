@@ -27,11 +27,20 @@ from engine.sampling import SamplingParams, processed_probs
 @dataclass
 class Decoded:
     """One finished sequence: the prompt's index in the input list, its response ids (EOS
-    included when reached) and whether it ended with EOS."""
+    included when reached) and whether it ended with EOS.
+
+    With feature_layers / top_k (see `decode_many`), also what a teacher-forced pass over
+    prompt + response would give (training.features): features bfloat16 [T - 1, D] for
+    positions 0 .. T-2, top_ids int32 / top_lp float16 [len(response), top_k] for positions
+    prompt_len - 1 .. T-2 (T = prompt + response tokens).
+    """
 
     index: int
     response: list[int]
     ended: bool
+    features: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_lp: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,6 +49,8 @@ class _Live:
     slot: int
     length: int  # tokens in the slot (prompt + response tokens fed so far)
     response: list[int] = field(default_factory=list)
+    feats: list[torch.Tensor] = field(default_factory=list)
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> list[int]:
@@ -53,14 +64,17 @@ def _pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generat
 def decode_many(fw: TargetForward, prompts: list[list[int]], max_new: int, eos: set[int],
                 params: SamplingParams | None = None, slots: int = 64, prefill_tokens: int = 2048,
                 generator: torch.Generator | None = None,
-                on_done: Callable[[Decoded], None] | None = None) -> list[Decoded]:
+                on_done: Callable[[Decoded], None] | None = None, feature_layers: tuple[int, ...] = (),
+                top_k: int = 0) -> list[Decoded]:
     """Decode every prompt (token ids) for up to `max_new` tokens; results in input order.
 
     params: greedy by default; a sampled SamplingParams draws from the target's processed
     distribution (engine.sampling.processed_probs) with `generator`. slots: sequences decoded
     together. prefill_tokens: prompt rows per prefill forward (a longer prompt goes alone).
-    on_done: called with each finished sequence as it ends. Raises ValueError for an empty
-    prompt or max_new < 1.
+    on_done: called with each finished sequence as it ends. feature_layers / top_k: also
+    capture, on the way and for free, the target's features at these hidden-state indices
+    and its top-k log-probs (see `Decoded`). Raises ValueError for an empty prompt or
+    max_new < 1.
     """
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new)
     if max_new < 1:
@@ -79,12 +93,27 @@ def decode_many(fw: TargetForward, prompts: list[list[int]], max_new: int, eos: 
     def finish(s: _Live, ended: bool) -> None:
         pool.release(s.slot)
         d = Decoded(s.index, s.response, ended)
+        if feature_layers:
+            d.features = torch.cat(s.feats)[:len(prompts[s.index]) + len(s.response) - 1]
+        if top_k:
+            d.top_ids = torch.cat([t[0] for t in s.tops])
+            d.top_lp = torch.cat([t[1] for t in s.tops])
         done[s.index] = d
         if on_done:
             on_done(d)
 
-    def advance(group: list[_Live], logits: torch.Tensor) -> list[_Live]:
-        """Append each sequence's next token; return those still running."""
+    def advance(group: list[_Live], logits: torch.Tensor, feats: torch.Tensor | None) -> list[_Live]:
+        """Append each sequence's next token (and captured rows); return those still running."""
+        if feats is not None:
+            rows = feats.to(torch.bfloat16).cpu().split([len(prompts[s.index]) if not s.response else 1
+                                                         for s in group])
+            for s, r in zip(group, rows):
+                s.feats.append(r)
+        if top_k:
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), top_k, dim=-1)
+            ids, lps = top.indices.int().cpu(), top.values.half().cpu()
+            for j, s in enumerate(group):
+                s.tops.append((ids[j:j + 1], lps[j:j + 1]))
         keep = []
         for s, tok in zip(group, _pick(logits, params, generator)):
             s.response.append(tok)
@@ -104,17 +133,19 @@ def decode_many(fw: TargetForward, prompts: list[list[int]], max_new: int, eos: 
         if new:
             toks = torch.tensor([t for s in new for t in prompts[s.index]], device=dev)
             pos = torch.cat([torch.arange(s.length, device=dev) for s in new])
-            logits, _ = fw(pool, toks, pos, [Segment(s.slot, 0, s.length) for s in new], last_only=True)
-            live.extend(advance(new, logits))
+            logits, feats = fw(pool, toks, pos, [Segment(s.slot, 0, s.length) for s in new],
+                               feature_layers=feature_layers, last_only=True)
+            live.extend(advance(new, logits, feats))
         if not live:
             continue
         # One decode row per running sequence: feed its last token.
         toks = torch.tensor([s.response[-1] for s in live], device=dev)
         pos = torch.tensor([s.length for s in live], device=dev)
-        logits, _ = fw(pool, toks, pos, [Segment(s.slot, s.length, 1) for s in live])
+        logits, feats = fw(pool, toks, pos, [Segment(s.slot, s.length, 1) for s in live],
+                           feature_layers=feature_layers)
         for s in live:
             s.length += 1
-        live = advance(live, logits)
+        live = advance(live, logits, feats)
     return [done[i] for i in range(len(prompts))]
 
 
