@@ -13,12 +13,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 run = Path(sys.argv[1] if len(sys.argv) > 1 else "data/drafter-train")
 png = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/drafter_curve.png")
-ev = [json.loads(line) for line in open(run / "eval.jsonl")]
+rows = [json.loads(line) for line in open(run / "eval.jsonl")]
+base = [e for e in rows if "baseline" in e]  # the shipped drafter, measured on the same prompts
+ev = [e for e in rows if "baseline" not in e]
 loss = [json.loads(line) for line in open(run / "loss.jsonl")]
 fig, ax = plt.subplots(1, 3, figsize=(15, 4))
 h = [e["train_h"] for e in ev]
 ax[0].plot(h, [e["chain"] for e in ev], "o-", label="chain (B-1 deep)")
 ax[0].plot(h, [e["tree32"] for e in ev], "s-", label="32-node tree")
+for b in base[-1:]:
+    ax[0].axhline(b["tree32"], color="gray", ls="--", label="shipped before: 32-node tree")
+    ax[0].axhline(b["chain"], color="gray", ls=":", label="shipped before: chain")
 ax[0].set_xlabel("training hours (optimiser steps only)")
 ax[0].set_ylabel("tau (held-out prompts, greedy)")
 ax[0].grid(alpha=0.3)
@@ -40,5 +45,7 @@ png.parent.mkdir(parents=True, exist_ok=True)
 fig.savefig(png, dpi=110)
 print("| step | train h | blocks seen | data tokens | chain tau | tree32 tau |")
 print("|---:|---:|---:|---:|---:|---:|")
+for b in base:
+    print(f"| shipped ({b['baseline']}) | | | | {b['chain']:.3f} | {b['tree32']:.3f} |")
 for e in ev:
     print(f"| {e['step']} | {e['train_h']:.2f} | {e['blocks']} | {e['data_tokens']} | {e['chain']:.3f} | {e['tree32']:.3f} |")

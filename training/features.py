@@ -28,16 +28,15 @@ from engine.forward import Segment, TargetForward
 
 @torch.inference_mode()
 def teacher_forced(fw: TargetForward, seqs: list[tuple[np.ndarray, int]], layers: tuple[int, ...], top_k: int,
-                   max_rows: int = 2048) -> list[dict]:
+                   max_rows: int = 1024) -> list[dict]:
     """Features and top-k of each (ids [T] int, prompt_len) sequence; see the module docstring.
 
     Sequences are packed into forwards of at most `max_rows` tokens (a longer one goes
-    alone). Returns one dict per sequence with features, top_ids, top_lp (CPU tensors).
+    alone; 1,024 measured fastest here: 826 tokens/s against 714 at 2,048, docs/drafter.md). Returns one dict per sequence with features, top_ids, top_lp (CPU tensors).
     Raises ValueError for a sequence without a response token.
     """
     out: list[dict | None] = [None] * len(seqs)
     order = list(range(len(seqs)))
-    group: list[int] = []
     for i in order:
         ids, pl = seqs[i]
         if not 0 < pl < len(ids):

@@ -142,13 +142,13 @@ def validation_prompts(n: int, train_texts: set[str], seed: int = 777) -> list[s
 
 
 @torch.no_grad()
-def evaluate_tau(target, trainer: DrafterTrainer, prompts: list[str], max_tokens: int,
-                 modes=(("chain", 0), ("tree", 32))) -> dict:
-    """Greedy speculative decoding with the current weights; mean tau per mode (all steps pooled)."""
+def evaluate_tau(target, drafter, prompts: list[str], max_tokens: int, modes=(("chain", 0), ("tree", 32))) -> dict:
+    """Greedy speculative decoding through engine.Engine with `drafter` (a DFlashDrafter: the
+    trainer's current weights via `to_drafter`, or a loaded export); mean tau per mode, all
+    steps pooled, and seconds per mode."""
     from engine.engine import Engine, make_controller
     from engine.sampling import SamplingParams
 
-    drafter = to_drafter(trainer, target.model)
     res = {}
     for mode, budget in modes:
         eng = Engine(target, drafter, make_controller(mode, budget or 32, drafter.max_depth + 1))
@@ -378,8 +378,18 @@ def train_stage(args, out: Path, log, target=None) -> None:
     while state["step"] < cfg.steps:
         if args.minutes and time.time() - t_start > args.minutes * 60:
             break
+        if val and state["best_tau"] == 0 and args.ship and (Path(args.ship) / "config.json").exists():
+            # The ship rule compares with what is shipped, measured on the same prompts.
+            from drafting.dflash import load_dflash
+
+            ev = evaluate_tau(target, load_dflash(args.ship, target.model), val, args.eval_tokens)
+            ev.update(baseline=str(args.ship), step=state["step"], time=time.time())
+            with open(state_dir / "eval.jsonl", "a") as fh:
+                fh.write(json.dumps(ev) + "\n")
+            state["best_tau"] = ev["tree32"]
+            log.info("eval of the shipped drafter: chain tau %.3f, tree32 tau %.3f", ev["chain"], ev["tree32"])
         if val and time.time() - last_eval > args.eval_minutes * 60:
-            ev = evaluate_tau(target, trainer, val, args.eval_tokens)
+            ev = evaluate_tau(target, to_drafter(trainer, target.model), val, args.eval_tokens)
             ev.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
                       data_tokens=data.tokens, epoch=sampler.epoch, time=time.time())
             with open(state_dir / "eval.jsonl", "a") as fh:
