@@ -202,6 +202,26 @@ def test_epoch_sampler_visits_every_sequence_once_per_epoch_and_resumes():
     assert sorted(epoch1) == list(range(10)) and s.epoch == 1
     epoch2 = s.take(12, 12)
     assert sorted(epoch2) == list(range(12)) and epoch2 != list(range(12))
+    # Resumed over less data than the epoch was drawn over: a new epoch over what is loaded.
+    fewer = EpochSampler.from_state({"seed": 3, "epoch": 4, "pos": 2, "n": 12})
+    assert sorted(fewer.take(5, 5)) == list(range(5)) and fewer.epoch == 5
+    with pytest.raises(ValueError):
+        EpochSampler(seed=0).take(0, 1)
+
+
+def test_feature_store_refuses_rows_of_the_wrong_shape(tmp_path):
+    from training.features import FeatureStore
+
+    st = FeatureStore(tmp_path, "k", [5, 4], [2, 1], width=6, top_k=2)
+    good = {"features": torch.zeros(4, 6, dtype=torch.bfloat16), "top_ids": torch.zeros(3, 2, dtype=torch.int32),
+            "top_lp": torch.zeros(3, 2, dtype=torch.float16)}
+    with pytest.raises(ValueError, match="shapes"):
+        st.put(0, dict(good, features=torch.zeros(1, 6, dtype=torch.bfloat16)))
+    assert st.missing([0, 1]) == [0, 1]
+    st.put(0, good)
+    assert st.missing([0, 1]) == [1]
+    with pytest.raises(ValueError, match="bytes"):
+        FeatureStore(tmp_path, "k", [5, 4, 3], [2, 1, 1], width=6, top_k=2)  # another layout under the same key
 
 
 # ---- Magpie prompts and the committed data ---------------------------------------------------------

@@ -242,5 +242,20 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         ck3 = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
         assert ck3["state"]["step"] == 7 and ck3["state"]["sampler"]["pos"] == 2  # 12 sequences a epoch
         assert ck3["state"]["sampler"]["epoch"] == 1
+        # The loss log (every 25 steps) lives beside the state; lines past the resume point are dropped.
+        args.steps = 26
+        train_stage(args, tmp_path, log, target=target)
+        loss = tmp_path / "state" / "loss.jsonl"
+        assert [json.loads(x)["step"] for x in loss.read_text().splitlines()] == [25]
+        loss.write_text(loss.read_text() + json.dumps({"step": 99}) + "\n")  # written after the last checkpoint
+        args.steps = 27
+        train_stage(args, tmp_path, log, target=target)
+        assert [json.loads(x)["step"] for x in loss.read_text().splitlines()] == [25]
+        # A state whose two files disagree (an interrupted write) is refused, not half-loaded.
+        body = json.loads((tmp_path / "state" / "state.json").read_text())
+        body["state"]["step"] = 3
+        (tmp_path / "state" / "state.json").write_text(json.dumps(body))
+        with pytest.raises(ValueError, match="interrupted"):
+            load_state(tmp_path / "state")
     finally:
         tl.config_from_args = orig

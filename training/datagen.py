@@ -159,9 +159,9 @@ def build_shards(folder: Path, target, fw, response_tokens: int, shard_prompts: 
             "seconds": round(time.perf_counter() - t0, 1), "magpie_seconds": round(t_magpie, 1),
             "response_tok_per_s": round(n_resp / t_resp, 1), "threads": torch.get_num_threads()})
         if capture:
-            store = FeatureStore(feature_cache, store_key(entry["sha256"], feature_layers, top_k, fw.dtype),
-                                 [len(q.ids) for q in seqs], [q.prompt_len for q in seqs], outs[0].features.shape[-1],
-                                 top_k)
+            width = outs[0].features.shape[-1]
+            store = FeatureStore(feature_cache, store_key(entry["sha256"], feature_layers, top_k, fw.dtype, width),
+                                 [len(q.ids) for q in seqs], [q.prompt_len for q in seqs], width, top_k)
             for j, d in enumerate(outs):
                 store.put(j, {"features": d.features, "top_ids": d.top_ids, "top_lp": d.top_lp})
         made += 1

@@ -18,6 +18,7 @@ docs/drafter.md.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -92,8 +93,17 @@ class FeatureStore:
 
         def mm(suffix: str, dtype, shape):
             path = folder / f"{key}.{suffix}"
-            return np.memmap(path, dtype=dtype, mode="r+" if path.exists() else "w+", shape=shape)
+            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            try:  # create at full size exactly once; a second process never truncates it
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+                os.ftruncate(fd, size)
+                os.close(fd)
+            except FileExistsError:
+                if path.stat().st_size != size:
+                    raise ValueError(f"{path} holds {path.stat().st_size} bytes, expected {size}") from None
+            return np.memmap(path, dtype=dtype, mode="r+", shape=shape)
 
+        self.width, self.top_k = width, top_k
         self.feat = mm("feat", np.uint16, (int(self.feat_off[-1]), width))
         self.tid = mm("tid", np.int32, (int(self.top_off[-1]), top_k))
         self.tlp = mm("tlp", np.float16, (int(self.top_off[-1]), top_k))
@@ -104,10 +114,16 @@ class FeatureStore:
         return [i for i in indices if not self.done[i]]
 
     def put(self, i: int, rec: dict) -> None:
-        """Store sequence i's features / top_ids / top_lp (shapes of `teacher_forced`) and mark it done."""
+        """Store sequence i's features / top_ids / top_lp (shapes of `teacher_forced`) and mark it done.
+
+        Raises ValueError when a shape differs from the sequence's rows.
+        """
         a, b = self.feat_off[i], self.feat_off[i + 1]
-        self.feat[a:b] = rec["features"].view(torch.int16).numpy().view(np.uint16)
         a2, b2 = self.top_off[i], self.top_off[i + 1]
+        shapes = (tuple(rec["features"].shape), tuple(rec["top_ids"].shape), tuple(rec["top_lp"].shape))
+        if shapes != ((b - a, self.width), (b2 - a2, self.top_k), (b2 - a2, self.top_k)):
+            raise ValueError(f"sequence {i}: shapes {shapes} do not fit rows {b - a} / {b2 - a2}")
+        self.feat[a:b] = rec["features"].view(torch.int16).numpy().view(np.uint16)
         self.tid[a2:b2] = rec["top_ids"].numpy()
         self.tlp[a2:b2] = rec["top_lp"].numpy()
         for m in (self.feat, self.tid, self.tlp):
@@ -124,6 +140,7 @@ class FeatureStore:
                 "top_lp": torch.from_numpy(np.array(self.tlp[a2:b2]))}
 
 
-def store_key(shard_sha: str, layers: tuple[int, ...], top_k: int, dtype: torch.dtype) -> str:
+def store_key(shard_sha: str, layers: tuple[int, ...], top_k: int, dtype: torch.dtype, width: int) -> str:
     """Cache file stem for a shard (its checksum) and the settings features depend on."""
-    return f"{shard_sha[:20]}-L{'_'.join(map(str, layers))}-k{top_k}-{str(dtype).replace('torch.', '')}"
+    return (f"{shard_sha[:20]}-L{'_'.join(map(str, layers))}-w{width}-k{top_k}-"
+            f"{str(dtype).replace('torch.', '')}")

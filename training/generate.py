@@ -73,8 +73,9 @@ def decode_many(fw: TargetForward, prompts: list[list[int]], max_new: int, eos: 
     together. prefill_tokens: prompt rows per prefill forward (a longer prompt goes alone).
     on_done: called with each finished sequence as it ends. feature_layers / top_k: also
     capture, on the way and for free, the target's features at these hidden-state indices
-    and its top-k log-probs (see `Decoded`). Raises ValueError for an empty prompt or
-    max_new < 1.
+    and its top-k log-probs (see `Decoded`). Raises ValueError for an empty prompt, for
+    max_new < 1, and (from the KV pool) when the longest prompt + max_new exceeds the
+    positions the target's rotary tables cover.
     """
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new)
     if max_new < 1:

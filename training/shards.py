@@ -12,8 +12,8 @@ A data folder (default `data/drafter/`, committed) holds:
         ended        uint8  [n]      1 when the response ended with the target's EOS
 
 Two bytes a token (uint16 holds any id below 65,536; `write_shard` refuses larger ids).
-Features are never stored here: training recomputes them from the tokens with a
-teacher-forced target pass (training.features) and caches them outside git.
+Features are never stored here: they live in a cache outside git (training.features),
+filled by the data stage as it decodes, or on another machine by a teacher-forced pass.
 """
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ class Sequence:
 
     @property
     def response_len(self) -> int:
+        """Tokens after the prompt."""
         return int(len(self.ids) - self.prompt_len)
 
 
 def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):

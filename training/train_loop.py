@@ -60,7 +60,8 @@ class TokenData:
             if entry["file"] in self.loaded:
                 continue
             seqs = read_shard(self.folder, entry, man["sources"])
-            store = FeatureStore(self.cache_dir, store_key(entry["sha256"], self.layers, self.top_k, self.fw.dtype),
+            store = FeatureStore(self.cache_dir,
+                                 store_key(entry["sha256"], self.layers, self.top_k, self.fw.dtype, width),
                                  [len(s.ids) for s in seqs], [s.prompt_len for s in seqs], width, self.top_k)
             for j, s in enumerate(seqs):
                 if s.response_len < self.min_response:
@@ -109,10 +110,16 @@ class EpochSampler:
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
 
     def take(self, total: int, k: int) -> list[int]:
-        """The next `k` indices (of `total` sequences now loaded), crossing into the next epoch as needed."""
+        """The next `k` indices (of `total` sequences now loaded), crossing into the next epoch as needed.
+
+        An epoch begun over more sequences than are loaded now (a resume over less data) is
+        ended and a new one begun. Raises ValueError when total < 1.
+        """
+        if total < 1:
+            raise ValueError("no sequences to sample")
         out: list[int] = []
         while len(out) < k:
-            if self.n == 0 or self.pos >= self.n:
+            if self.n == 0 or self.pos >= self.n or self.n > total:
                 if self.n:
                     self.epoch += 1
                 self.n, self.pos = total, 0
@@ -123,21 +130,26 @@ class EpochSampler:
         return out
 
     def state_dict(self) -> dict:
+        """The cursor: seed, epoch, position in the epoch, sequences the epoch was drawn over."""
         return {"seed": self.seed, "epoch": self.epoch, "pos": self.pos, "n": self.n}
 
     @classmethod
     def from_state(cls, d: dict) -> "EpochSampler":
+        """The sampler a `state_dict` describes."""
         return cls(d["seed"], d["epoch"], d["pos"], d["n"])
 
 
-def validation_prompts(n: int, train_texts: set[str], seed: int = 777) -> list[str]:
-    """`n` held-out prompts: a different seed of training_prompts, minus any training prompt text."""
+def validation_prompts(n: int, train_texts, seed: int = 777) -> list[str]:
+    """`n` held-out prompts: a different seed of training_prompts, minus any whose normalised
+    words (training.datagen.prompt_key) equal a training prompt's."""
+    from training.datagen import prompt_key
     from training.prompts import training_prompts
 
+    seen = {prompt_key(t) for t in train_texts}
     rows = training_prompts(max(4 * n, 60), seed=seed)
     rng = random.Random(seed)
     rng.shuffle(rows)
-    out = [r["prompt"] for r in rows if r["prompt"] not in train_texts]
+    out = [r["prompt"] for r in rows if prompt_key(r["prompt"]) not in seen]
     return out[:n]
 
 
@@ -192,7 +204,8 @@ def save_ckpt(path: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
 def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
     """The compact resume point for git: float32 weights, AdamW moments in bfloat16, counters.
 
-    Writes folder/state.safetensors and folder/state.json (atomically, json last). `state`
+    Writes folder/state.safetensors and folder/state.json (each atomically, json last; both
+    carry the step, and `load_state` refuses a pair that disagrees). `state`
     holds the counters, the sampler cursor and the anchor generator's state (a uint8 tensor
     under "gen_state", stored in the safetensors file).
     """
@@ -213,7 +226,7 @@ def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
     if "gen_state" in state:
         tensors["gen_state"] = state["gen_state"]
     tmp = folder / "state.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "bastion-drafter-train-1"})
+    save_file(tensors, str(tmp), metadata={"format": "bastion-drafter-train-1", "step": str(state["step"])})
     tmp.rename(folder / "state.safetensors")
     body = {"cfg": trainer.cfg.to_dict(), "state": meta, "opt_steps": steps}
     (folder / "state.json.tmp").write_text(json.dumps(body, indent=1) + "\n")
@@ -222,12 +235,20 @@ def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
 
 def load_state(folder: Path) -> dict | None:
     """A checkpoint dict (model, opt, cfg, state; the shape `build` takes) from `save_state`'s
-    files, or None when the folder has none."""
+    files, or None when the folder has none. Raises ValueError when the two files are from
+    different steps."""
     from safetensors.torch import load_file
 
     if not (folder / "state.json").exists():
         return None
+    from safetensors import safe_open
+
     body = json.loads((folder / "state.json").read_text())
+    with safe_open(str(folder / "state.safetensors"), framework="pt") as fh:
+        step = (fh.metadata() or {}).get("step")
+    if step != str(body["state"]["step"]):
+        raise ValueError(f"{folder}: state.safetensors is from step {step}, state.json from step "
+                         f"{body['state']['step']} (a write was interrupted); resume from ckpt.pt or an export")
     t = load_file(str(folder / "state.safetensors"))
     state = dict(body["state"])
     if "gen_state" in t:
@@ -286,6 +307,7 @@ def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
 
 
 def config_from_args(args, target_config) -> TrainConfig:
+    """The TrainConfig of the command line's training flags for this target."""
     return TrainConfig(block_size=args.block_size, num_layers=args.layers, draft_vocab=args.draft_vocab,
                        inject_anchor=not args.no_inject, soft_weight=args.soft_weight, lr=args.lr, steps=args.steps,
                        batch=args.batch, blocks=args.blocks, target_layer_ids=tuple(layer_ids_for(target_config)))
@@ -301,6 +323,16 @@ def layer_ids_for(target_config) -> list[int]:
 
         ids = default_target_layer_ids(n, 3)
     return ids
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the lines of a jsonl log whose step lies beyond `step`."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        path.write_text("".join(line + "\n" for line in keep))
 
 
 def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
@@ -324,6 +356,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
     tdir = out / "train"
     tdir.mkdir(parents=True, exist_ok=True)
     state_dir = Path(args.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
         target = load_target(None, "float32")
     fw = target_forward_for(target.model)
@@ -352,13 +385,15 @@ def train_stage(args, out: Path, log, target=None) -> None:
         init = load_dflash(args.init, target.model).model
         trainer.model.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
         log.info("train: initialised from %s", args.init)
+    for name in ("loss.jsonl", "eval.jsonl"):  # lines written after the checkpoint resumed from are redone
+        _truncate_log(state_dir / name, state["step"])
     log.info("train: %s from step %d (%.1f min trained), cfg %s", "resumed" if ckpt else "started", state["step"],
              state["train_s"] / 60, cfg.to_dict())
     val = []
     if args.eval_prompts:
         from training.datagen import folder_prompt_texts
 
-        val = validation_prompts(args.eval_prompts, set(folder_prompt_texts(Path(args.data_dir), target.tokenizer)))
+        val = validation_prompts(args.eval_prompts, folder_prompt_texts(Path(args.data_dir), target.tokenizer))
     sampler = EpochSampler.from_state(state["sampler"]) if "sampler" in state else EpochSampler(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed + state["step"])
     if "gen_state" in state:
@@ -378,7 +413,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
     while state["step"] < cfg.steps:
         if args.minutes and time.time() - t_start > args.minutes * 60:
             break
-        if val and state["best_tau"] == 0 and args.ship and (Path(args.ship) / "config.json").exists():
+        if val and not state.get("baseline_done") and args.ship and (Path(args.ship) / "config.json").exists():
             # The ship rule compares with what is shipped, measured on the same prompts.
             from drafting.dflash import load_dflash
 
@@ -387,6 +422,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
             with open(state_dir / "eval.jsonl", "a") as fh:
                 fh.write(json.dumps(ev) + "\n")
             state["best_tau"] = ev["tree32"]
+            state["baseline_done"] = True
             log.info("eval of the shipped drafter: chain tau %.3f, tree32 tau %.3f", ev["chain"], ev["tree32"])
         if val and time.time() - last_eval > args.eval_minutes * 60:
             ev = evaluate_tau(target, to_drafter(trainer, target.model), val, args.eval_tokens)
