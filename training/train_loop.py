@@ -400,8 +400,24 @@ def train_stage(args, out: Path, log, target=None) -> None:
         gen.set_state(state["gen_state"])
     t_start = time.time()
     last_ckpt = last_eval = time.time()
-    if state["step"] == 0 or state.get("evals", 0) == 0:
-        last_eval = 0.0  # evaluate the starting point once
+
+    def run_eval():
+        """Held-out tau of the current weights, logged; exported (and shipped) when it is the best."""
+        ev = evaluate_tau(target, to_drafter(trainer, target.model), val, args.eval_tokens)
+        ev.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
+                  data_tokens=data.tokens, epoch=sampler.epoch, time=time.time())
+        with open(state_dir / "eval.jsonl", "a") as fh:
+            fh.write(json.dumps(ev) + "\n")
+        log.info("eval step %d: chain tau %.3f, tree32 tau %.3f", state["step"], ev["chain"], ev["tree32"])
+        state["evals"] = state.get("evals", 0) + 1
+        state["last_eval_step"] = state["step"]
+        if ev["tree32"] > state["best_tau"]:
+            state["best_tau"] = ev["tree32"]
+            export(trainer, tdir / "best")
+            (tdir / "best" / "eval.json").write_text(json.dumps(ev))
+            if args.ship:
+                export(trainer, Path(args.ship))
+            log.info("eval: new best, exported")
 
     def checkpoint():
         state["sampler"] = sampler.state_dict()
@@ -425,20 +441,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
             state["baseline_done"] = True
             log.info("eval of the shipped drafter: chain tau %.3f, tree32 tau %.3f", ev["chain"], ev["tree32"])
         if val and time.time() - last_eval > args.eval_minutes * 60:
-            ev = evaluate_tau(target, to_drafter(trainer, target.model), val, args.eval_tokens)
-            ev.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
-                      data_tokens=data.tokens, epoch=sampler.epoch, time=time.time())
-            with open(state_dir / "eval.jsonl", "a") as fh:
-                fh.write(json.dumps(ev) + "\n")
-            log.info("eval step %d: chain tau %.3f, tree32 tau %.3f", state["step"], ev["chain"], ev["tree32"])
-            state["evals"] = state.get("evals", 0) + 1
-            if ev["tree32"] > state["best_tau"]:
-                state["best_tau"] = ev["tree32"]
-                export(trainer, tdir / "best")
-                (tdir / "best" / "eval.json").write_text(json.dumps(ev))
-                if args.ship:
-                    export(trainer, Path(args.ship))
-                log.info("eval: new best, exported")
+            run_eval()
             last_eval = time.time()
         if state["step"] % 200 == 0 and data.refresh():
             if cfg.draft_vocab:
@@ -471,5 +474,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
         if time.time() - last_ckpt > args.ckpt_minutes * 60:
             checkpoint()
             last_ckpt = time.time()
+    if val and state.get("last_eval_step") != state["step"]:
+        run_eval()  # where the run stops
     checkpoint()
     log.info("train: stopped at step %d (%.1f min trained)", state["step"], state["train_s"] / 60)
