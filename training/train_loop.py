@@ -139,18 +139,30 @@ class EpochSampler:
         return cls(d["seed"], d["epoch"], d["pos"], d["n"])
 
 
-def validation_prompts(n: int, train_texts, seed: int = 777) -> list[str]:
-    """`n` held-out prompts: a different seed of training_prompts, minus any whose normalised
-    words (training.datagen.prompt_key) equal a training prompt's."""
-    from training.datagen import prompt_key
-    from training.prompts import training_prompts
+#: Seed of the held-out Magpie prompts (the data stage seeds shard k with k).
+VALIDATION_MAGPIE_SEED = 10**6
+
+
+def validation_prompts(n: int, train_texts, seed: int = 777, target=None) -> list[str]:
+    """`n` held-out prompts, none whose normalised words (training.datagen.prompt_key) equal a
+    training prompt's: with a target, half are Magpie user turns it writes under a seed no
+    shard uses and half come from another seed of training_prompts; without, all of the latter."""
+    from training.datagen import magpie_prompts, prompt_key
+    from training.prompts import OVERLAP_SPAN, _span_index, default_benchmark_texts, training_prompts
 
     seen = {prompt_key(t) for t in train_texts}
+    magpie = []
+    if target is not None and n >= 2:
+        from engine.forward import target_forward_for
+
+        magpie = magpie_prompts(target_forward_for(target.model), target.tokenizer, target.eos_token_ids, n // 2,
+                                VALIDATION_MAGPIE_SEED, set(seen), _span_index(default_benchmark_texts(), OVERLAP_SPAN),
+                                slots=16)
     rows = training_prompts(max(4 * n, 60), seed=seed)
     rng = random.Random(seed)
     rng.shuffle(rows)
     out = [r["prompt"] for r in rows if prompt_key(r["prompt"]) not in seen]
-    return out[:n]
+    return out[:n - len(magpie)] + magpie
 
 
 @torch.no_grad()
@@ -393,7 +405,9 @@ def train_stage(args, out: Path, log, target=None) -> None:
     if args.eval_prompts:
         from training.datagen import folder_prompt_texts
 
-        val = validation_prompts(args.eval_prompts, folder_prompt_texts(Path(args.data_dir), target.tokenizer))
+        val = validation_prompts(args.eval_prompts, folder_prompt_texts(Path(args.data_dir), target.tokenizer),
+                                 target=target)
+        log.info("train: %d held-out prompts: %s", len(val), [v[:60] for v in val])
     sampler = EpochSampler.from_state(state["sampler"]) if "sampler" in state else EpochSampler(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed + state["step"])
     if "gen_state" in state:
