@@ -4,23 +4,27 @@ Each choice ("arm") is judged by its realised gain, its throughput over plain de
     gain = accepted * T_plain / (T_draft + T_verify + T_other)
 (accepted = tokens committed, bonus included; T_plain = seconds of one plain decoding step at the
 same context, measured where plain steps have run). Plain decoding's gain is 1 by definition.
-The gate keeps an exponential average of each arm's gain and picks the best. It never locks
-an arm out: an arm that is not the best is sampled again after
-    period = min(E, max(MIN_PERIOD, 1 + 2 E gap)),   gap = 1 - g_arm / g_best,  E = explore_every
+The gate keeps an exponential average of each arm's gain and of its step length (seconds in
+units of a plain step, 1 for plain) and picks the best. It never locks an arm out: an arm that
+is not the best is sampled again after
+    period = min(E r, max(MIN_PERIOD, 1 + 2 E r gap)),   gap = 1 - g_arm / g_best,  E = explore_every,
+    r = clamp(length_arm / length_best, 1, R_MAX)   (1 while a length is unknown)
 steps without a sample, and at once if its last sample beat the best arm's average. Near-ties
 (where one step's noise decides) are thus re-checked every MIN_PERIOD steps (so the best arm
-keeps most steps and its own average stays fresh), a clear loser only every E steps. What it
+keeps most steps and its own average stays fresh), a clear loser only every E r steps. What it
 costs and buys:
-- a sample of an arm behind by `gap` costs `gap` of that step's time, once per period: for
-  steps about as long as the best arm's, a losing arm costs gap / (1 + 2 E gap) < 1 / (2 E)
-  of the throughput while gap < 1/2 (under 0.8 % at the default E = 64) and about gap / E
-  beyond (the period is capped at E), plus the rare immediate re-samples of a noisy loser.
-  A losing step that is much longer than the best arm's costs more: in bfloat16 without AMX
-  an 8-node tree took 4.9 plain steps' time for 1.37 tokens, so a sample like it loses 3.5
-  plain steps, 5.5 % at E = 64 (docs/results/controller_bench.md);
-- every arm is sampled at least once per explore_every steps, so a drafter that starts paying
-  is back within explore_every steps plus the few samples its average needs to cross the
-  best (consecutive, since each winning sample is followed at once).
+- a sample of an arm behind by `gap` whose step is r times the best arm's loses r gap of a
+  best-arm step's output, once per period: a losing arm costs r gap / (1 + 2 E r gap) < 1 / (2 E)
+  of the throughput while r gap < 1/2 (under 0.8 % at the default E = 64) and about gap / E
+  beyond (the period is capped at E r), plus the rare immediate re-samples of a noisy loser.
+  Scaling by r matters where losing steps are long: in bfloat16 without AMX an 8-node tree
+  took 4.9 plain steps' time for 1.37 tokens (gap 0.72), so a sample lost 3.5 plain steps:
+  5.5 % of the time at a period of E = 64, 1.4 % at E r = 256 (docs/results/controller_bench.md);
+  steps longer than R_MAX times the best arm's cost up to (r / R_MAX) gap / E;
+- every arm is sampled at least once per E R_MAX steps (once per E steps while its steps are
+  no longer than the best arm's), so a drafter that starts paying is back within that many
+  steps plus the few samples its average needs to cross the best (consecutive, since each
+  winning sample is followed at once).
 An arm's average weighs its newest gain by max(alpha, 1 / n) over its n samples (a mean of the
 first few, then exponential). The averages are state of the machine and the drafter, so they
 carry from request to request;
@@ -35,6 +39,8 @@ from __future__ import annotations
 ARMS = ("draft", "cheap", "plain")
 #: The shortest wait between samples of an arm that is not the best (near-ties).
 MIN_PERIOD = 8
+#: The most the exploration period stretches for an arm whose steps are longer than the best's.
+R_MAX = 4.0
 
 
 class SpeculationGate:
@@ -57,6 +63,7 @@ class SpeculationGate:
         self.alpha = alpha
         self.explore_every = explore_every
         self.gain: dict[str, float | None] = {a: (1.0 if a == "plain" else None) for a in self.arms}
+        self.length: dict[str, float | None] = {a: (1.0 if a == "plain" else None) for a in self.arms}
         self.samples = {a: 0 for a in self.arms}
         self._n = {a: 0 for a in self.arms}  # samples in the average, an inherited one included
         self.last = {a: 0 for a in self.arms}  # step count at the arm's latest sample
@@ -87,26 +94,35 @@ class SpeculationGate:
         return best
 
     def period(self, arm: str) -> int:
-        """Steps `arm` may go unsampled while it is not the best: min(E, max(MIN_PERIOD, 1 + 2 E gap))."""
-        g, g_best = self.gain[arm], self.gain[self.best()]
+        """Steps `arm` may go unsampled while it is not the best: min(E r, max(MIN_PERIOD, 1 + 2 E r gap))
+        (the module docstring)."""
+        best = self.best()
+        g, g_best = self.gain[arm], self.gain[best]
         if g is None or g_best <= 0:
             return 1
         gap = max(1.0 - g / g_best, 0.0)
-        return int(min(self.explore_every, max(MIN_PERIOD, 1 + 2 * self.explore_every * gap)))
+        la, lb = self.length[arm], self.length[best]
+        r = 1.0 if la is None or not lb else min(max(la / lb, 1.0), R_MAX)
+        every = self.explore_every * r
+        return int(min(every, max(MIN_PERIOD, 1 + 2 * every * gap)))
 
     def should_draft(self) -> bool:
         """True when the next step should run the full drafter."""
         return self.choice() == "draft"
 
-    def record(self, arm: str, gain: float = 1.0) -> None:
-        """One finished step that used `arm`, with its realised gain (ignored for "plain": 1).
+    def record(self, arm: str, gain: float = 1.0, length: float | None = None) -> None:
+        """One finished step that used `arm`, with its realised gain (ignored for "plain": 1) and
+        its length: the step's seconds over a plain step's at the same context (None: unknown;
+        ignored for "plain": 1).
 
-        Raises ValueError for an arm this gate does not have or a negative gain.
+        Raises ValueError for an arm this gate does not have, a negative gain or a length <= 0.
         """
         if arm not in self.gain:
             raise ValueError(f"unknown arm {arm!r}; this gate has {self.arms}")
         if not 0 <= gain < float("inf"):
             raise ValueError(f"gain must be a finite non-negative number, got {gain}")
+        if length is not None and not 0 < length < float("inf"):
+            raise ValueError(f"length must be a finite positive number, got {length}")
         was = self.best()
         self.t += 1
         self.samples[arm] += 1
@@ -118,6 +134,9 @@ class SpeculationGate:
             old = self.gain[arm]
             w = max(self.alpha, 1.0 / self._n[arm])
             self.gain[arm] = gain if old is None else old + w * (gain - old)
+            if length is not None:
+                old_len = self.length[arm]
+                self.length[arm] = length if old_len is None else old_len + w * (length - old_len)
         self.last_gain[arm] = gain
         if was == "draft" and self.best() != "draft":
             self.switches_off += 1
@@ -132,10 +151,12 @@ class SpeculationGate:
         for a in self.arms:
             if a != "plain" and other.gain.get(a) is not None:
                 self.gain[a] = other.gain[a]
+                self.length[a] = other.length.get(a)
                 self.last_gain[a] = other.gain[a]
                 self._n[a] = 1
 
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""
-        return {"gain": dict(self.gain), "samples": dict(self.samples), "choice": self.choice(),
+        return {"gain": dict(self.gain), "length": dict(self.length), "samples": dict(self.samples),
+                "choice": self.choice(),
                 "switches_off": self.switches_off}

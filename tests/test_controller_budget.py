@@ -11,6 +11,7 @@ from controller import profiler as profiler_mod
 from controller.budget import BudgetController
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
+from controller.gate import R_MAX
 from controller.latency_model import LatencyModel, LatencyParams
 from controller.policy import PolicySettings
 from controller.surrogate import SurrogateCalibrator, depth_mass
@@ -60,7 +61,8 @@ def test_gate_turns_off_for_useless_drafter_explores_at_its_floor_and_recovers()
     while not ctl.should_draft():
         plain_step(ctl, c)
         waited += 1
-    assert waited <= every
+    # within E r steps: r = the drafted step's length over a plain step's (capped at R_MAX)
+    assert waited <= every * min(R_MAX, ctl.gate.length["draft"]) and ctl.gate.length["draft"] > 1
     kinds = []
     for _ in range(50):
         kinds.append(ctl.gate.choice())
