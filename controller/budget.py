@@ -160,9 +160,12 @@ class BudgetController:
         return self._costs
 
     def policy_for_step(self, context_len: int) -> AdaptivePolicy:
-        """The stopping policy for a step whose target cache holds context_len tokens."""
+        """The stopping policy for a step whose target cache holds context_len tokens. Its fixed
+        time is T_draft + T_other when the gate's choice is the full draft, T_other alone when it
+        is the drafter's free proposal (which costs no drafter pass)."""
         st = self.settings
-        return AdaptivePolicy(self.verify_costs(context_len), self.t_draft + self.t_other,
+        draft_s = self.t_draft if self.gate.choice() == "draft" else 0.0
+        return AdaptivePolicy(self.verify_costs(context_len), draft_s + self.t_other,
                               st.min_nodes, st.max_nodes, st.bucket, st.top_k)
 
     def should_draft(self, batch_size: int = 1) -> bool:
@@ -251,9 +254,10 @@ class BudgetController:
         return fallback if m is None or m.count == 0 else m.value
 
     def batch_fixed_seconds(self, b: int) -> float:
-        """T_draft(b) + T_other(b), seconds: measured at this batch size, else the single-sequence values."""
-        return self._batch_mean(self._batch_draft, b, self.t_draft) + self._batch_mean(self._batch_other, b,
-                                                                                         self.t_other)
+        """T_draft(b) + T_other(b), seconds: measured at this batch size, else the single-sequence
+        values; T_other(b) alone when the batch-size class's gate chooses the free proposal."""
+        draft_s = self._batch_mean(self._batch_draft, b, self.t_draft) if self.gate_for(b).choice() == "draft" else 0.0
+        return draft_s + self._batch_mean(self._batch_other, b, self.t_other)
 
     def batch_costs(self, b: int, context_total: int) -> list[float]:
         """[max_nodes + 1] C_b(N) seconds for a batch of b sequences caching context_total tokens in all."""

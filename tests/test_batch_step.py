@@ -152,10 +152,13 @@ def alone8(target):
     return [eng.generate(p, SamplingParams(max_tokens=N)).token_ids for p in PROMPTS8]
 
 
-def _bastion_controller():
+def _bastion_controller(arms=None):
+    """The adaptive controller on a synthetic memory-bound machine; arms: restrict its gates
+    (("draft",): the full drafter on every step)."""
     from prometheus_client import CollectorRegistry
 
     from controller.budget import BudgetController
+    from controller.gate import SpeculationGate
     from controller.ceilings import Ceilings
     from controller.cost_model import ModelShape
     from controller.latency_model import LatencyModel, LatencyParams
@@ -164,7 +167,8 @@ def _bastion_controller():
     # A memory-bound machine (flat C(n) up to ~32 tokens): the global budget grows real trees.
     shape = ModelShape(layers=2, hidden=64, n_q=4, n_kv=4, head_dim=16, ffn=128, vocab=VOCAB, bytes_per_param=4)
     model = LatencyModel(shape, Ceilings(1e9, 1e9, "synthetic"), LatencyParams(1.0, 1e-3, 1.0, 5e-3))
-    return BudgetController(model, PolicySettings(1, 64, 1, 8), registry=CollectorRegistry(), t_draft_init=1e-3)
+    return BudgetController(model, PolicySettings(1, 64, 1, 8), registry=CollectorRegistry(), t_draft_init=1e-3,
+                            gate=SpeculationGate(arms=arms) if arms else None)
 
 
 @pytest.mark.parametrize("wave", [1, 3, 8])
@@ -260,7 +264,8 @@ def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(ta
                 return Broken()
             return super().propose(state, root, max_depth)
 
-    eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), _bastion_controller())
+    # Every step drafts, so the broken proposal is read inside the shared heap.
+    eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), _bastion_controller(arms=("draft",)))
     seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS8[:4])}
     outs, errors = step_all(eng, seqs)
     assert set(errors) == {2} and "broken proposal" in str(errors[2])

@@ -126,7 +126,12 @@ def test_running_estimates_and_policy_for_step():
     pol = ctl.policy_for_step(500)
     assert pol.max_nodes == 256 and pol.top_k == 64 and pol.min_nodes == 1
     assert pol.cost(37) == pytest.approx(ctl.model.predict(37, 500))
-    assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.012 + ctl.model.predict(10, 500)))
+    # the free-proposal arm is untried, so it is the next choice: priced without the drafter pass
+    assert ctl.gate.choice() == "cheap"
+    assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.002 + ctl.model.predict(10, 500)))
+    ctl.gate.record("cheap", 0.5)
+    assert ctl.gate.choice() == "draft"
+    assert ctl.policy_for_step(500).theta(10, 2.0) == pytest.approx(2.0 / (0.012 + ctl.model.predict(10, 500)))
     t0 = time.perf_counter()
     for c in range(1000, 1100):
         ctl.policy_for_step(c)
@@ -279,3 +284,17 @@ def test_a_drafted_step_after_plain_ones_is_judged_by_the_steady_draft_time():
     learnt = ctl._steady_draft.value
     assert learnt == pytest.approx(1.3 * steady)  # running mean (weight 0.3) of steady and 2 x steady
     assert drafted(40, 10 * steady) == pytest.approx(gain(40, learnt))  # a new request: its prompt's catch-up
+
+
+def test_a_free_proposal_step_is_priced_without_the_drafter_pass():
+    """The stopping rule's fixed time holds T_draft only on steps that run the drafter: when the gate
+    chooses the free proposal (no drafter pass), trees are sized against T_other alone."""
+    ctl = make_controller(t_draft_init=0.03, t_other_init=0.002)
+    assert ctl.gate.choice() == "draft"
+    assert ctl.policy_for_step(300)._fixed == pytest.approx(0.032)
+    assert ctl.batch_fixed_seconds(4) == pytest.approx(0.032)
+    ctl.gate.record("draft", 0.5)  # the full draft loses: the free proposal is tried next
+    ctl.gate_for(4).record("draft", 0.5)
+    assert ctl.gate.choice() == "cheap" and ctl.gate_for(4).choice() == "cheap"
+    assert ctl.policy_for_step(300)._fixed == pytest.approx(0.002)
+    assert ctl.batch_fixed_seconds(4) == pytest.approx(0.002)
