@@ -216,6 +216,10 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
               plot: bool = True) -> dict:
     """Run every mode on every prompt, interleaved, resuming from out_dir/results.json.
 
+    The order of the modes rotates by one from prompt to prompt (prompt i starts with mode
+    i mod M), so that no mode always runs first or last in a prompt's cycle: on a machine whose
+    speed drifts (measured here: up to 80 % within an hour) a fixed order hands one mode the drift.
+
     settings.modes must name `modes` in order; settings.datasets is set from prompt_sets.
     encode: messages -> prompt ids (default chat_encoder(target)). env: environment dict
     (default `environment(...)`). skipped: {"modes": {...}, "datasets": {...}} reasons to record.
@@ -273,9 +277,10 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
 
     bar = _progress(pending, progress)
     try:
-        for ds, rec, turns in todo:
+        for i, (ds, rec, turns) in enumerate(todo):
             new = False
-            for mode in modes:
+            k = i % len(modes)
+            for mode in modes[k:] + modes[:k]:
                 if (ds, rec["id"], mode.name) in done:
                     continue
                 seed = prompt_seed(settings.seed, ds, rec["id"])

@@ -189,6 +189,25 @@ def test_resume_after_interruption_runs_only_what_is_missing(tiny, tmp_path):
     assert again["summary"] == res["summary"]
 
 
+def test_mode_order_rotates_from_prompt_to_prompt(tiny, tmp_path):
+    """No mode always runs first (or last) in a prompt's cycle: prompt i starts with mode i mod M."""
+    target, drafter = tiny
+    modes = ["ar", "tree-4", "chain"]
+    order = []
+
+    class Logged(_Counting):
+        def run(self, turns, encode, params):
+            order.append((turns[0], self.name))
+            return super().run(turns, encode, params)
+
+    objs = [Logged(m) for m in build_modes(modes, target, drafter)]
+    res = _run(tiny, tmp_path, modes=modes, mode_objs=objs, warmup=False)
+    prompts = [p["prompt"] for ps in PROMPTS.values() for p in ps]
+    assert [o[1] for o in order] == ["ar", "tree-4", "chain", "tree-4", "chain", "ar", "chain", "ar", "tree-4"]
+    assert [o[0] for o in order] == [p for p in prompts for _ in modes]
+    assert all(s["mismatches"] == 0 for s in res["summary"])
+
+
 def test_resume_refuses_other_settings_unless_fresh(tiny, tmp_path):
     modes = ["ar"]
     _run(tiny, tmp_path, modes=modes, settings=_settings(modes), plot=False)
