@@ -28,8 +28,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=env_default("threads", "0"),
                         help="torch CPU threads (default $BASTION_THREADS or 0: every core; a training job "
                              "should have the machine to itself)")
-    parser.add_argument("--data-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="target dtype for generation (float32 is faster on CPUs without AMX)")
+    parser.add_argument("--data-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the target's dtype for generation, features and evaluation (auto: the one "
+                             "whose 16-row forward is cheaper on this machine, measured at load; bfloat16 "
+                             "where AMX or a GPU makes it faster)")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
                         help="token shards (committed; default data/drafter in the repository)")
     parser.add_argument("--response-tokens", type=int, default=2_000_000,
@@ -79,10 +81,10 @@ def stage_data(args, out: Path, log) -> None:
     from training.datagen import build_shards
     from training.train_loop import layer_ids_for
 
-    target = load_target(None, args.data_dtype)
+    target = load_target(None, args.data_dtype, auto_sizes=(1, 64))
     fw = target_forward_for(target.model)
-    log.info("data: into %s until %d response tokens, %s, threads %d", args.data_dir, args.response_tokens,
-             args.data_dtype, torch.get_num_threads())
+    log.info("data: into %s until %d response tokens, %s (%s; measured %s), threads %d", args.data_dir,
+             args.response_tokens, target.dtype, args.data_dtype, target.dtype_costs, torch.get_num_threads())
     man = build_shards(Path(args.data_dir), target, fw, args.response_tokens, shard_prompts=args.shard_prompts,
                        max_new=args.max_new, slots=args.gen_slots, max_shards=args.max_shards,
                        feature_cache=Path(args.feature_cache or cache_root() / "drafter-features"),
@@ -90,6 +92,19 @@ def stage_data(args, out: Path, log) -> None:
                        progress=lambda e: log.info("%(file)s: %(sequences)d seqs, %(response_tokens)d response tokens, "
                                                    "%(seconds).0f s, %(response_tok_per_s).0f tok/s", e))
     log.info("data done: %s", man.get("totals"))
+
+
+def train_dtype(args) -> str:
+    """The train stage's target dtype: --data-dtype when given; for auto, the dtype most of the
+    data's shards were generated in (their captured features are cached under it), else auto."""
+    if args.data_dtype != "auto":
+        return args.data_dtype
+    from collections import Counter
+
+    from training.shards import read_manifest
+
+    dtypes = Counter(s.get("dtype") for s in read_manifest(Path(args.data_dir))["shards"] if s.get("dtype"))
+    return dtypes.most_common(1)[0][0] if dtypes else "auto"
 
 
 def run(args) -> int:
@@ -111,6 +126,8 @@ def run(args) -> int:
     if "train" in stages:
         from training.train_loop import train_stage
 
-        train_stage(args, out, log)
+        from engine.loader import load_target
+
+        train_stage(args, out, log, target=load_target(None, train_dtype(args), auto_sizes=(1, 64)))
     log.info("done in %.0f s", time.time() - t0)
     return 0

@@ -259,3 +259,16 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
             load_state(tmp_path / "state")
     finally:
         tl.config_from_args = orig
+
+
+def test_train_stage_dtype_follows_the_data_so_captured_features_are_found(tmp_path):
+    from bastion.train_drafter import train_dtype
+
+    def ns(dtype):
+        return argparse.Namespace(data_dtype=dtype, data_dir=str(tmp_path))
+
+    assert train_dtype(ns("auto")) == "auto"  # no data yet: measure
+    for dt in ("bfloat16", "bfloat16", "float32"):
+        write_shard(tmp_path, [Sequence(torch.arange(6).numpy(), 2, "x", True)], "tiny", meta={"dtype": dt})
+    assert train_dtype(ns("auto")) == "bfloat16"
+    assert train_dtype(ns("float32")) == "float32"

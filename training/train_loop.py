@@ -359,8 +359,8 @@ def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
 def train_stage(args, out: Path, log, target=None) -> None:
     """Train until `args.steps` (the cosine horizon; may be raised on resume) or `args.minutes`.
 
-    target: a loaded engine.loader.Target (default: the embedded target in float32: features
-    and evaluation both run through it).
+    target: a loaded engine.loader.Target (default: the embedded target in float32); features
+    and evaluation both run through it, in its dtype.
     """
     from engine.forward import target_forward_for
     from engine.loader import cache_root, load_target
