@@ -28,10 +28,14 @@ ax[0].set_xlabel("training hours (optimiser steps only)")
 ax[0].set_ylabel("tau (held-out prompts, greedy)")
 ax[0].grid(alpha=0.3)
 ax[0].legend()
-tok = [e["data_tokens"] / 1e6 for e in ev]
-ax[1].plot(tok, [e["chain"] for e in ev], "o", label="chain")
-ax[1].plot(tok, [e["tree32"] for e in ev], "s", label="32-node tree")
-ax[1].set_xlabel("response tokens of data loaded (millions)")
+# Against what training has read: blocks seen, each point labelled with the data loaded then.
+blk = [e["blocks"] / 1e6 for e in ev]
+ax[1].plot(blk, [e["chain"] for e in ev], "o-", label="chain")
+ax[1].plot(blk, [e["tree32"] for e in ev], "s-", label="32-node tree")
+for x, e in zip(blk, ev):
+    ax[1].annotate(f"{e['data_tokens'] / 1e6:.2f} M", (x, e["tree32"]), fontsize=7, xytext=(2, 4),
+                   textcoords="offset points")
+ax[1].set_xlabel("blocks trained on (millions); labels: response tokens of data loaded")
 ax[1].set_ylabel("tau (held-out prompts, greedy)")
 ax[1].grid(alpha=0.3)
 ax[1].legend()
