@@ -29,9 +29,9 @@ def add_arguments(parser) -> None:
                         help="torch CPU threads (default $BASTION_THREADS or 0: every core; a training job "
                              "should have the machine to itself)")
     parser.add_argument("--data-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="the target's dtype for generation, features and evaluation (auto: the one "
-                             "whose 16-row forward is cheaper on this machine, measured at load; bfloat16 "
-                             "where AMX or a GPU makes it faster)")
+                        help="the target's dtype for generation, features and evaluation (auto: the data "
+                             "stage times its own batched decoding in both and keeps the faster; the train "
+                             "stage takes the dtype most shards were generated in)")
     parser.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR),
                         help="token shards (committed; default data/drafter in the repository)")
     parser.add_argument("--response-tokens", type=int, default=2_000_000,
@@ -81,10 +81,24 @@ def stage_data(args, out: Path, log) -> None:
     from training.datagen import build_shards
     from training.train_loop import layer_ids_for
 
-    target = load_target(None, args.data_dtype, auto_sizes=(1, 64))
+    measured = {}
+    if args.data_dtype == "auto":  # time the data stage's own workload in both dtypes, keep the faster
+        from training.datagen import chat_ids
+        from training.generate import throughput
+        from training.prompts import training_prompts
+
+        for name in ("float32", "bfloat16"):
+            cand = load_target(None, name)
+            prompts = [chat_ids(cand.tokenizer, r["prompt"]) for r in training_prompts(32, seed=9)]
+            # decode-heavy like a shard (responses of ~200 tokens after ~60-token prompts)
+            measured[name] = round(throughput(target_forward_for(cand.model), prompts, 128, slots=32), 1)
+        dtype = max(measured, key=measured.get)
+    else:
+        dtype = args.data_dtype
+    target = load_target(None, dtype)
     fw = target_forward_for(target.model)
-    log.info("data: into %s until %d response tokens, %s (%s; measured %s), threads %d", args.data_dir,
-             args.response_tokens, target.dtype, args.data_dtype, target.dtype_costs, torch.get_num_threads())
+    log.info("data: into %s until %d response tokens, %s (%s; generated tok/s measured %s), threads %d",
+             args.data_dir, args.response_tokens, target.dtype, args.data_dtype, measured, torch.get_num_threads())
     man = build_shards(Path(args.data_dir), target, fw, args.response_tokens, shard_prompts=args.shard_prompts,
                        max_new=args.max_new, slots=args.gen_slots, max_shards=args.max_shards,
                        feature_cache=Path(args.feature_cache or cache_root() / "drafter-features"),
