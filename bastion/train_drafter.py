@@ -81,21 +81,21 @@ def stage_data(args, out: Path, log) -> None:
     from training.datagen import build_shards
     from training.train_loop import layer_ids_for
 
-    measured = {}
+    measured, loaded = {}, {}
     if args.data_dtype == "auto":  # time the data stage's own workload in both dtypes, keep the faster
         from training.datagen import chat_ids
         from training.generate import throughput
         from training.prompts import training_prompts
 
         for name in ("float32", "bfloat16"):
-            cand = load_target(None, name)
+            cand = loaded[name] = load_target(None, name)
             prompts = [chat_ids(cand.tokenizer, r["prompt"]) for r in training_prompts(32, seed=9)]
             # decode-heavy like a shard (responses of ~200 tokens after ~60-token prompts)
             measured[name] = round(throughput(target_forward_for(cand.model), prompts, 128, slots=32), 1)
         dtype = max(measured, key=measured.get)
     else:
         dtype = args.data_dtype
-    target = load_target(None, dtype)
+    target = loaded.get(dtype) or load_target(None, dtype)
     fw = target_forward_for(target.model)
     log.info("data: into %s until %d response tokens, %s (%s; generated tok/s measured %s), threads %d",
              args.data_dir, args.response_tokens, target.dtype, args.data_dtype, measured, torch.get_num_threads())

@@ -192,20 +192,19 @@ class BudgetController:
             gate.inherit(self._batch_gates[max(smaller)] if smaller else self.gate)
         return gate
 
-    def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, gain: float | None,
-                    length: float | None = None) -> None:
-        """Credit a finished step to the arm it used: a plain step on which the free proposal
-        was the choice (but found nothing) is the cheap arm's, at a plain step's gain and length.
-        length: the step's seconds over a plain step's (what the gate scales exploration by)."""
+    def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, tokens: float,
+                    length: float | None) -> None:
+        """Credit a finished step to the arm it used, at gain = tokens / length: tokens committed
+        per sequence, length the step's seconds over a plain step's (what the gate also scales
+        exploration by). A plain step on which the free proposal was the choice (but found
+        nothing) is the cheap arm's, at a plain step's gain and length."""
         if drafted or cheap:
             arm = "draft" if drafted else "cheap"
         else:
             arm = "cheap" if gate.choice() == "cheap" else "plain"
-            gain, length = 1.0, 1.0
-        if length is not None and not 0 < length < float("inf"):
-            length = None
-        if arm in gate.gain and gain is not None and 0 <= gain < float("inf"):
-            gate.record(arm, gain, length)
+            tokens, length = 1.0, 1.0
+        if arm in gate.gain and length is not None and 0 < length < float("inf") and 0 <= tokens < float("inf"):
+            gate.record(arm, tokens / length, length)
         else:  # a gate restricted to fewer arms (bastion calibrate drafts every step), or a bad timing
             gate.tick()
 
@@ -301,14 +300,11 @@ class BudgetController:
         if drafted:
             self._batch_draft.setdefault(b, RunningMean(0.3)).add(first.draft_s)
             self._batch_other.setdefault(b, RunningMean(0.3)).add(first.other_s)
-        gain = length = None
+        length = None
         if drafted or cheap:
-            step_s = max(first.draft_s + first.verify_s + first.other_s, 1e-12)
             # Realised tokens/s over a plain batched step's (b tokens per plain step).
-            plain_s = self.plain_step_seconds(c_total, b)
-            gain = sum(st.accepted for st in stats) * plain_s / (b * step_s)
-            length = step_s / plain_s
-        self._record_arm(gate, drafted, cheap, gain, length)
+            length = max(first.draft_s + first.verify_s + first.other_s, 1e-12) / self.plain_step_seconds(c_total, b)
+        self._record_arm(gate, drafted, cheap, sum(st.accepted for st in stats) / b, length)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 self.surrogate.record(st.a_hat, st.accepted,
@@ -340,7 +336,7 @@ class BudgetController:
         predicted = costs[s] if s < len(costs) else self.model.predict(s, c)
         self.profiler.record(s, c, verify_s, predicted, draft_s, other_s, drafted)
         step_s = max(draft_s + verify_s + other_s, 1e-12)
-        gain = length = None
+        length = None
         if drafted:
             # A drafted step that does not directly follow a drafted step of the same sequence
             # also absorbs the context since (the prompt, or plain steps) into the drafter: a
@@ -351,18 +347,14 @@ class BudgetController:
             if steady:
                 self._steady_draft.add(draft_s)
             judged = draft_s if steady or not self._steady_draft.count else min(draft_s, self._steady_draft.value)
-            plain_s = self.plain_step_seconds(c)
-            gain = accepted * plain_s / max(judged + verify_s + other_s, 1e-12)
-            length = (judged + verify_s + other_s) / plain_s
+            length = max(judged + verify_s + other_s, 1e-12) / self.plain_step_seconds(c)
         elif cheap:
-            plain_s = self.plain_step_seconds(c)
-            gain = accepted * plain_s / step_s
-            length = step_s / plain_s
+            length = step_s / self.plain_step_seconds(c)
         elif s == 1:
             self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
             self.surrogate.record(a_hat, accepted, depth_mass)
-        self._record_arm(self.gate, drafted, cheap, gain, length)
+        self._record_arm(self.gate, drafted, cheap, accepted, length)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self._last = (kind, c + int(accepted))

@@ -37,19 +37,17 @@ def teacher_forced(fw: TargetForward, seqs: list[tuple[np.ndarray, int]], layers
     Raises ValueError for a sequence without a response token.
     """
     out: list[dict | None] = [None] * len(seqs)
-    order = list(range(len(seqs)))
-    for i in order:
-        ids, pl = seqs[i]
+    for i, (ids, pl) in enumerate(seqs):
         if not 0 < pl < len(ids):
             raise ValueError(f"sequence {i}: prompt_len {pl} leaves no response in {len(ids)} tokens")
     start = 0
-    while start < len(order):
-        group = [order[start]]
-        rows = len(seqs[order[start]][0])
-        while start + len(group) < len(order) and rows + len(seqs[order[start + len(group)]][0]) <= max_rows:
-            rows += len(seqs[order[start + len(group)]][0])
-            group.append(order[start + len(group)])
-        start += len(group)
+    while start < len(seqs):
+        group = [start]
+        rows = len(seqs[start][0])
+        while group[-1] + 1 < len(seqs) and rows + len(seqs[group[-1] + 1][0]) <= max_rows:
+            group.append(group[-1] + 1)
+            rows += len(seqs[group[-1]][0])
+        start = group[-1] + 1
         pool = fw.new_pool(len(group), max(len(seqs[i][0]) for i in group))
         dev = fw.device
         toks = torch.cat([torch.as_tensor(seqs[i][0], dtype=torch.long) for i in group]).to(dev)
