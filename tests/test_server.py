@@ -352,25 +352,41 @@ def test_full_queue_is_429_with_retry_after(live, monkeypatch):
     live.wait_idle()
     monkeypatch.setattr(live.scheduler, "max_running", 1)
     monkeypatch.setattr(live.scheduler, "max_queue", 1)
+    # Hold the worker inside its first decode step so that A surely occupies the one slot (A could
+    # otherwise reach EOS before B arrives on a fast machine).
+    release = threading.Event()
+    step_batch = live.engine.step_batch
+
+    def held_step_batch(seqs):
+        release.wait(60)
+        return step_batch(seqs)
+
+    monkeypatch.setattr(live.engine, "step_batch", held_step_batch)
     body = chat_body("Tell me a long story about a dragon.", max_tokens=200, stream=True)
-    with httpx.Client(base_url=live.url, timeout=120, headers=AUTH) as a, \
-            httpx.Client(base_url=live.url, timeout=120, headers=AUTH) as b:
-        with a.stream("POST", C, json=body) as ra:
-            next(ra.iter_lines())
-            deadline = time.monotonic() + 30
-            while live.scheduler.num_running < 1:  # A is running
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
-            with b.stream("POST", C, json=body) as rb:
-                assert rb.status_code == 200  # accepted, waiting
+    try:
+        with httpx.Client(base_url=live.url, timeout=120, headers=AUTH) as a, \
+                httpx.Client(base_url=live.url, timeout=120, headers=AUTH) as b:
+            with a.stream("POST", C, json=body) as ra:
+                assert ra.status_code == 200
+                next(ra.iter_lines())
                 deadline = time.monotonic() + 30
-                while live.scheduler.num_waiting < 1:
+                while live.scheduler.num_running < 1:  # A is running
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
-                r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=30)
-                assert r.status_code == 429
-                assert r.headers["retry-after"] == "1"
-                assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "rate_limit_error"
+                with b.stream("POST", C, json=body) as rb:
+                    assert rb.status_code == 200  # accepted, waiting
+                    deadline = time.monotonic() + 30
+                    while live.scheduler.num_waiting < 1:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.02)
+                    r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=30)
+                    assert r.status_code == 429
+                    assert r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["code"] == "queue_full"
+                    assert r.json()["error"]["type"] == "rate_limit_error"
+                    release.set()
+    finally:
+        release.set()
     live.wait_idle()
 
 
