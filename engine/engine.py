@@ -250,6 +250,13 @@ class Engine:
                          encode_text=lambda text: list(self.tokenizer(text)["input_ids"]),
                          check_length=self.check_length)
 
+    def reserve_slots(self, slots: int) -> None:
+        """Grow the KV pool to hold `slots` sequences now, so that no admission copies the pool
+        later (a grow copies every held slot: about 0.4 GB per slot for the embedded default in
+        float32; unused capacity costs address space only, see engine.kv_cache)."""
+        if slots > self.pool.num_slots:
+            self.pool.grow(slots)
+
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
         """Refuse work that cannot fit: raises ContextLengthError naming the numbers."""
         limit = self.max_context()

@@ -390,6 +390,9 @@ class Scheduler:
     def _main(self) -> None:
         try:
             self.engine = self._factory()
+            reserve = getattr(self.engine, "reserve_slots", None)
+            if reserve is not None:
+                reserve(self.max_running)
             self.engine.accounting.ar_probe_s = self._time_one_token()
             self._info = self.engine.info()
             if self.metrics is not None:

@@ -119,3 +119,16 @@ def test_choose_dtype_never_rounds_the_weights_it_keeps(monkeypatch):
     assert dtype == torch.float32
     after = target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # bit for bit: the trial ran on a copy
+
+
+def test_reserve_slots_grows_the_pool_once_and_never_shrinks_it():
+    eng = Engine(tiny_target(), None, make_controller("ar"))
+    assert eng.pool.num_slots == 1
+    eng.reserve_slots(4)
+    assert eng.pool.num_slots == 4 and eng.pool.free_slots == 4
+    eng.reserve_slots(2)
+    assert eng.pool.num_slots == 4
+    seqs = [eng.start([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(4)]
+    assert eng.pool.num_slots == 4 and eng.pool.free_slots == 0  # no grow while four run
+    for s in seqs:
+        eng.release(s)

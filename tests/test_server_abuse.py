@@ -54,6 +54,7 @@ class FakeEngine:
         self.fail_template: BaseException | None = None
         self.held: set[int] = set()  # ids of sequences whose KV slot is not given back
         self.prefill_chunks: list[int] = []  # max_tokens of every prefill_step call
+        self.reserved: list[int] = []  # every reserve_slots call
 
     def tokenizer(self, text, add_special_tokens=False):
         return {"input_ids": [1]}
@@ -101,6 +102,9 @@ class FakeEngine:
 
     def release(self, seq) -> None:
         self.held.discard(id(seq))
+
+    def reserve_slots(self, slots: int) -> None:
+        self.reserved.append(slots)
 
     def step_batch(self, seqs):
         return [self.step(seq) for seq in seqs]
@@ -472,3 +476,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         sched.shutdown(1.0)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Scheduler(factory(eng), prefill_chunk=0)
+
+
+def test_the_engine_reserves_max_running_slots_before_ready():
+    eng = FakeEngine()
+    sched = started(Scheduler(factory(eng), max_queue=4, max_running=3))
+    try:
+        assert eng.reserved == [3]
+    finally:
+        sched.shutdown(5)
