@@ -16,10 +16,10 @@ from engine.sampling import RequestError, SamplingParams, select_token
 from engine.tree import (BatchStoppingPolicy, ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree,
                          build_tree, build_trees)
 from engine.forward import TREE_HEADROOM, Segment, target_forward_for
-from engine.greedy_device import accept_greedy_device
+from engine.acceptance import Acceptance, accept_batch
 from engine.timing import StepClock
-from engine.tree_buffers import DeviceTree, TreeBufferPool
-from engine.verifier import VerifyOutput, accept_sample, verify_batch
+from engine.tree_buffers import TreeBufferPool
+from engine.verifier import VerifyOutput, verify_batch
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
@@ -228,6 +228,9 @@ class Engine:
         self.buffers = TreeBufferPool(self.model.device)
         self._batch_buffers = [self.buffers]  # one pool per position in a batched step
         self._clock = StepClock(self.model.device)
+        # Sampling sequences draw every tree node at once where a host read costs a device
+        # synchronisation; on a CPU the lazy walk processes fewer distributions (engine.acceptance).
+        self.draw_all = self.model.device.type != "cpu"
 
     # ---- prompt handling -------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -446,8 +449,9 @@ class Engine:
 
         Each sequence drafts and builds its own tree; one target forward then carries every tree
         (each attends to its own KV slot and its own ancestors only, engine.forward.Segment);
-        acceptance, compaction, stops and max_tokens stay per sequence, each with its own
-        sampling parameters and generator. Returns one event per sequence, in order, or the
+        every tree's acceptance is decided with one host read for the whole batch
+        (engine.acceptance); compaction, stops and max_tokens stay per sequence, each with its
+        own sampling parameters and generator. Returns one event per sequence, in order, or the
         exception that sequence's own work raised (its drafter, tree or acceptance): that
         sequence is released and the others go on. An error of the shared forward is raised. Phase
         times in each StepStats are the batch's (shared); the controller observes steps only
@@ -474,11 +478,16 @@ class Engine:
                                 [device_trees[r] for r in live], feature_layers, backend=self.backend)
             verified = dict(zip(live, outs))
         clock.mark()
+        accepted = accept_batch([plans[r][0] for r in live], [device_trees[r] for r in live],
+                                [verified[r].logits for r in live], [seqs[r].params for r in live],
+                                [seqs[r].generator for r in live], self.draw_all)
         results = {}
-        for r in live:
-            seq, (tree, drafted, cheap), device_tree, out = seqs[r], plans[r], device_trees[r], verified[r]
+        for r, acc in zip(live, accepted):
+            seq, (tree, drafted, cheap), out = seqs[r], plans[r], verified[r]
             try:
-                results[r] = self._accept(seq, tree, device_tree, out) + (tree, drafted, cheap)
+                if isinstance(acc, Exception):
+                    raise acc
+                results[r] = self._commit_accepted(seq, tree, acc, out) + (tree, drafted, cheap)
             except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
                 failed[r] = e
         clock.mark()
@@ -509,18 +518,12 @@ class Engine:
             self.controller.observe_batch([o[0] for o in observed], [o[1] for o in observed])
         return events
 
-    def _accept(self, seq: Sequence, tree: Tree, device_tree: DeviceTree, out: VerifyOutput
-                ) -> tuple[list[int], list[int], str | None, int]:
-        """Acceptance, commit, compaction and the drafter's update for one verified tree:
+    def _commit_accepted(self, seq: Sequence, tree: Tree, acc: Acceptance, out: VerifyOutput
+                         ) -> tuple[list[int], list[int], str | None, int]:
+        """Commit, compaction and the drafter's update for one accepted tree:
         (path, committed tokens, finish_reason, context length before the step)."""
         drafter = self.drafter
-        params = seq.params
-        if params.greedy:
-            acceptance = accept_greedy_device(device_tree, out.logits)
-            path, bonus, index = acceptance.path, acceptance.bonus, acceptance.index
-        else:
-            path, bonus = accept_sample(tree, out.logits, params, seq.generator)
-            index = None
+        path, bonus, index = acc.path, acc.bonus, acc.index
         committed, finish = self._commit(seq, tree.tokens[path[1:]].tolist() + [bonus])
         context_len = seq.prefix_len
         if finish is None:

@@ -29,18 +29,22 @@ class GreedyAcceptance:
     index: torch.Tensor
 
 
-def accept_greedy_device(tree: DeviceTree, logits: torch.Tensor) -> GreedyAcceptance:
-    """Follow the target's argmax down the tree, on the device; one host read.
+def greedy_packed(tree: DeviceTree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device half of greedy acceptance: (packed, table).
 
-    tree: the step's DeviceTree (n nodes); logits: [n, V] target logits on the same device
-    (any float dtype). Node i is accepted when every node on its path from the root carries
-    the argmax of its parent's logits and is the first child of that parent with that token
-    (the host reference takes the first such child). The deepest accepted node ends the path.
+    packed: [D + 3] int64, the accepted node indices placed by depth (-1 past the path), the
+    path's length and the bonus token (D = tree.max_depth); table: [D + 2] int64 whose first
+    length entries are the path, for `greedy_from_host`. Node i is accepted when every node on
+    its path from the root carries the argmax of its parent's logits and is the first child of
+    that parent with that token (the host reference takes the first such child); the deepest
+    accepted node ends the path. tree: the step's DeviceTree (n nodes); logits: [n, V] on the
+    same device (any float dtype).
     """
     n = tree.size
     targ = torch.argmax(logits, dim=-1)  # [n]; torch.argmax picks the first maximum, as the reference
     if n == 1:
-        return GreedyAcceptance([0], int(targ[0]), tree.parents.new_zeros(1))
+        table = tree.parents.new_zeros(1)
+        return torch.cat([table, table + 1, targ[:1]]), table
     par, tok, dep = tree.parents, tree.tokens, tree.depths
     match = tok == targ[par.clamp(min=0)]
     # A later sibling with the same token is never reached by the reference walk.
@@ -56,7 +60,18 @@ def accept_greedy_device(tree: DeviceTree, logits: torch.Tensor) -> GreedyAccept
     cols = torch.where(anc[best], dep, D + 1)
     table = torch.full((D + 2,), -1, dtype=torch.long, device=tree.device)
     table.scatter_(0, cols, torch.arange(n, device=tree.device))
-    packed = torch.cat([table[: D + 1], (dep[best] + 1)[None], targ[best][None]])
-    host = packed.tolist()  # the step's one host read
-    length, bonus = host[D + 1], host[D + 2]
+    return torch.cat([table[: D + 1], (dep[best] + 1)[None], targ[best][None]]), table
+
+
+def greedy_from_host(host: list[int], table: torch.Tensor, max_depth: int) -> GreedyAcceptance:
+    """The host half: `host` is the packed tensor of `greedy_packed` read back ([D + 3] ints;
+    D = max_depth, 0 for a one-node tree)."""
+    length, bonus = host[max_depth + 1], host[max_depth + 2]
     return GreedyAcceptance(host[:length], bonus, table[:length])
+
+
+def accept_greedy_device(tree: DeviceTree, logits: torch.Tensor) -> GreedyAcceptance:
+    """Follow the target's argmax down the tree, on the device; one host read (`greedy_packed`
+    then `greedy_from_host`). tree: the step's DeviceTree (n nodes); logits: [n, V]."""
+    packed, table = greedy_packed(tree, logits)
+    return greedy_from_host(packed.tolist(), table, tree.max_depth)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine.engine as engine_mod
+import engine.verifier as verifier_mod
 from drafting.dflash import random_dflash
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams, processed_probs
@@ -85,9 +85,11 @@ def setup(tiny):
     return drafter, probs
 
 
-def test_tree_sampling_matches_target_distribution(tiny, setup):
+@pytest.mark.parametrize("draw_all", [False, True], ids=["lazy-walk", "draw-every-node"])
+def test_tree_sampling_matches_target_distribution(tiny, setup, draw_all):
     drafter, probs = setup
     eng = Engine(tiny, drafter, make_controller("tree", 24))
+    eng.draw_all = draw_all
     counts = sample_first3(eng, SAMPLES)
     p = chi2_pvalue(counts, probs, SAMPLES)
     assert p > 1e-3, p
@@ -100,7 +102,7 @@ def test_tree_sampling_matches_target_distribution(tiny, setup):
 
 def test_biased_acceptance_fails_the_same_test(tiny, setup, monkeypatch):
     drafter, probs = setup
-    monkeypatch.setattr(engine_mod, "accept_sample", biased_accept)
+    monkeypatch.setattr(verifier_mod, "accept_sample", biased_accept)
     eng = Engine(tiny, drafter, make_controller("tree", 24))
     p = chi2_pvalue(sample_first3(eng, SAMPLES), probs, SAMPLES)
     assert p < 1e-3, p
