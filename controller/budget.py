@@ -272,15 +272,58 @@ class BudgetController:
         return BatchAdaptivePolicy(self.batch_costs(b, int(sum(contexts))), self.batch_fixed_seconds(b),
                                    st.max_nodes, st.max_nodes, st.top_k)
 
-    def observe_batch(self, stats: Sequence, trees: Sequence) -> None:
+    def sequence_state(self) -> SpeculationGate:
+        """A request's own gate for batched steps (arms draft and plain; docs/method.md, section 9):
+        whether drafting pays for this request, judged by its marginal gain (`observe_batch`)."""
+        alpha, every, _ = self._gate_proto
+        return SpeculationGate(alpha, every, ("draft", "plain"))
+
+    def sequence_drafts(self, state: SpeculationGate | None) -> bool:
+        """In a batched step whose class gate drafts: True when this request's own gate drafts
+        (its best arm, or the one it explores); True for a request without one."""
+        return state is None or state.should_draft()
+
+    @staticmethod
+    def marginal_gains(stats: Sequence, plain_s: float) -> list[tuple[float, float] | None]:
+        """Per sequence of a drafted batched step: (gain, length) of its own drafting, or None for a
+        sequence that did not draft (docs/method.md, section 9, "Per-sequence gates").
+
+        The step's time beyond a plain batched step (plain_s seconds, b tokens) is split among
+        the drafting sequences: the drafter pass equally, the rest of the excess by speculative
+        nodes (tree size - 1). Sequence r's marginal seconds m_r buy accepted_r - 1 extra tokens,
+        so, as if it alone had drafted, length_r = 1 + m_r / plain_s and
+        gain_r = (1 + (accepted_r - 1) / b) / length_r: above 1 exactly when its extra tokens per
+        second beat the plain batch's b / plain_s.
+        """
+        b = len(stats)
+        first = stats[0]
+        drafting = [st for st in stats if st.drafted]
+        if not drafting or plain_s <= 0:
+            return [None] * b
+        step_s = first.draft_s + first.verify_s + first.other_s
+        verify_extra = max(step_s - plain_s - first.draft_s, 0.0)
+        nodes = sum(st.tree_size - 1 for st in drafting)
+        out: list[tuple[float, float] | None] = []
+        for st in stats:
+            if not st.drafted:
+                out.append(None)
+                continue
+            m = first.draft_s / len(drafting) + (verify_extra * (st.tree_size - 1) / nodes if nodes else 0.0)
+            length = 1.0 + m / plain_s
+            out.append(((1.0 + (st.accepted - 1) / b) / length, length))
+        return out
+
+    def observe_batch(self, stats: Sequence, trees: Sequence, states: Sequence | None = None) -> None:
         """Record a finished batched step (b >= 2 sequences in one forward).
 
         stats: each sequence's engine.accounting.StepStats (phase times are the batch's, shared);
-        trees: their verified Trees. A roots-only step refines the per-sequence overhead of the
-        batched cost (measured verify time minus the roofline's C_b, per extra sequence) and the
-        measured plain step time at this batch size; a drafted one T_draft(b) and T_other(b) and
-        feeds the batch-size class's gate with its realised gain over a plain batched step
-        (`plain_step_seconds`). Drafted and cheap trees go to the surrogate check.
+        trees: their verified Trees; states: their `sequence_state` gates (None: none). A
+        roots-only step refines the per-sequence overhead of the batched cost (measured verify
+        time minus the roofline's C_b, per extra sequence) and the measured plain step time at
+        this batch size; a drafted one T_draft(b) and T_other(b), feeds the batch-size class's
+        gate with its realised gain over a plain batched step (`plain_step_seconds`) and each
+        sequence's own gate with its marginal gain (`marginal_gains`; plain for a sequence its
+        gate kept out). Drafted and cheap trees go to the surrogate check.
         """
         b = len(stats)
         if b < 2:
@@ -303,8 +346,17 @@ class BudgetController:
         length = None
         if drafted or cheap:
             # Realised tokens/s over a plain batched step's (b tokens per plain step).
-            length = max(first.draft_s + first.verify_s + first.other_s, 1e-12) / self.plain_step_seconds(c_total, b)
+            plain_s = self.plain_step_seconds(c_total, b)
+            length = max(first.draft_s + first.verify_s + first.other_s, 1e-12) / plain_s
         self._record_arm(gate, drafted, cheap, sum(st.accepted for st in stats) / b, length)
+        if drafted and states is not None:
+            for state, marginal in zip(states, self.marginal_gains(stats, plain_s)):
+                if state is None:
+                    continue
+                if marginal is None:
+                    state.record("plain")
+                else:
+                    state.record("draft", *marginal)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 self.surrogate.record(st.a_hat, st.accepted,

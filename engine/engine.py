@@ -95,6 +95,7 @@ class Sequence:
     steps: list[StepStats] = field(default_factory=list)
     finish_reason: str | None = None
     pending: GenerationEvent | None = None
+    control: object = None  # the controller's own state for this request (StepController.sequence_state)
 
     @property
     def n_out(self) -> int:
@@ -148,8 +149,17 @@ class StepController(Protocol):
         """Record a finished step of one sequence (the online profiler's input)."""
         ...
 
-    def observe_batch(self, stats: list[StepStats], trees: list[Tree]) -> None:
-        """Record a finished step of two sequences or more (phase times shared)."""
+    def sequence_state(self) -> object:
+        """A new request's own controller state (kept in Sequence.control; None: none)."""
+        ...
+
+    def sequence_drafts(self, state: object) -> bool:
+        """In a batched step whose drafter runs (`should_draft`): does this sequence take part?"""
+        ...
+
+    def observe_batch(self, stats: list[StepStats], trees: list[Tree], states: list[object] | None = None) -> None:
+        """Record a finished step of two sequences or more (phase times shared); states: each
+        sequence's `sequence_state`, in the same order."""
         ...
 
 
@@ -177,7 +187,13 @@ class FixedController:
     def observe(self, stats: StepStats, tree: Tree) -> None:
         pass
 
-    def observe_batch(self, stats: list[StepStats], trees: list[Tree]) -> None:
+    def sequence_state(self) -> None:
+        return None
+
+    def sequence_drafts(self, state: object) -> bool:
+        return True
+
+    def observe_batch(self, stats: list[StepStats], trees: list[Tree], states: list[object] | None = None) -> None:
         pass
 
 
@@ -305,6 +321,7 @@ class Engine:
             drafter_state=drafter.new_state() if drafter is not None else None,
             generator=gen,
             eos=set() if params.ignore_eos else set(self.eos_ids),
+            control=self.controller.sequence_state(),
         )
 
     def prefill_step(self, seq: Sequence, max_tokens: int = PREFILL_CHUNK) -> GenerationEvent | None:
@@ -389,6 +406,9 @@ class Engine:
                 depths[r] = min(drafter.max_depth, remaining - 1)
         want = [r for r in range(b) if depths[r] > 0]
         drafted = bool(want) and controller.should_draft(b)
+        if drafted and b > 1:  # each sequence's own gate: does drafting pay for this request?
+            want = [r for r in want if controller.sequence_drafts(seqs[r].control)]
+            drafted = bool(want)
         proposals: dict[int, Proposal | None] = {}
         if want and drafted:
             try:
@@ -493,7 +513,7 @@ class Engine:
         clock.mark()
         draft_s, load_s, verify_s, commit_s = clock.intervals()
         events: list[GenerationEvent | Exception] = []
-        observed: list[tuple[StepStats, Tree]] = []
+        observed: list[tuple[StepStats, Tree, object]] = []
         for r, seq in enumerate(seqs):
             if r in failed:
                 self.release(seq)
@@ -509,13 +529,13 @@ class Engine:
                 # The root was committed earlier but, like this step's tokens, never reached the drafter.
                 self._finished(seq, [seq.root] + committed)
             events.append(GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, stats))
-            observed.append((stats, tree))
+            observed.append((stats, tree, seq.control))
         if live:
             self.accounting.record_forward([plans[r][0].size for r in live])
         if len(live) == 1 and observed:
-            self.controller.observe(*observed[0])
+            self.controller.observe(*observed[0][:2])
         elif len(observed) > 1:
-            self.controller.observe_batch([o[0] for o in observed], [o[1] for o in observed])
+            self.controller.observe_batch(*(list(col) for col in zip(*observed)))
         return events
 
     def _commit_accepted(self, seq: Sequence, tree: Tree, acc: Acceptance, out: VerifyOutput

@@ -185,3 +185,48 @@ def test_losing_cheap_proposals_are_turned_off_and_plain_steps_are_measured():
     assert ctl.gate.gain["draft"] == draft_gain  # each arm has its own average
     # Batched: the class of 8 has its own gate, started from the single-sequence averages.
     assert ctl.gate_for(8).gain["cheap"] == ctl.gate.gain["cheap"] and ctl.gate_for(8).samples["cheap"] == 0
+
+
+def test_marginal_gains_split_the_excess_by_draft_share_and_speculative_nodes():
+    mk = lambda n, a, d: StepStats(tree_size=n, accepted=a, accepted_depth=a - 1, context_len=500, a_hat=1.0,
+                                   drafted=d, draft_s=0.02, verify_s=0.08, other_s=0.0)
+    # plain batch of 4: 0.05 s. Step 0.10 s: draft 0.02 split by 3 drafting sequences, verify
+    # excess 0.03 split by speculative nodes 7 : 3 : 0.
+    gains = BudgetController.marginal_gains([mk(8, 4, True), mk(4, 1, True), mk(1, 1, True), mk(1, 1, False)], 0.05)
+    m0 = 0.02 / 3 + 0.03 * 7 / 10
+    assert math.isclose(gains[0][1], 1 + m0 / 0.05) and math.isclose(gains[0][0], (1 + 3 / 4) / (1 + m0 / 0.05))
+    m1 = 0.02 / 3 + 0.03 * 3 / 10
+    assert math.isclose(gains[1][0], 1 / (1 + m1 / 0.05))
+    assert math.isclose(gains[2][0], 1 / (1 + 0.02 / 3 / 0.05))  # paid its share of the drafter for nothing
+    assert gains[3] is None
+    assert BudgetController.marginal_gains([mk(1, 1, False)] * 2, 0.05) == [None, None]
+
+
+def test_each_request_has_its_own_gate_inside_a_batch():
+    """In drafted batched steps, a request whose drafts are never accepted stops drafting while a
+    request whose drafts pay keeps drafting; the one kept out is sampled again later."""
+    ctl = _controller()
+    states = [ctl.sequence_state() for _ in range(4)]
+    assert all(ctl.sequence_drafts(s) for s in states) and ctl.sequence_drafts(None)
+    tree = build_tree(0, random_marginals(4, 4), FixedBudgetPolicy(8), 4)
+    for _ in range(5):  # plain batched steps set the measured baseline: 0.05 s for 4 sequences
+        ctl.observe_batch([StepStats(tree_size=1, accepted=1, accepted_depth=0, context_len=500, a_hat=1.0,
+                                     drafted=False, draft_s=0.0, verify_s=0.049, other_s=0.001)] * 4,
+                          [tree] * 4, states)
+    assert all(s.samples["draft"] == 0 for s in states)  # undrafted steps leave the request gates alone
+
+    def drafted_step():
+        drafting = [ctl.sequence_drafts(s) for s in states]
+        stats = [StepStats(tree_size=8 if d else 1, accepted=(6 if r == 0 else 1) if d else 1,
+                           accepted_depth=0, context_len=500, a_hat=2.0, drafted=d, draft_s=0.01,
+                           verify_s=0.06, other_s=0.001) for r, d in enumerate(drafting)]
+        ctl.observe_batch(stats, [tree] * 4, states)
+        return drafting
+
+    assert drafted_step() == [True] * 4
+    assert states[0].gain["draft"] > 1 > states[1].gain["draft"]
+    history = [drafted_step() for _ in range(40)]
+    assert all(h[0] for h in history)  # the paying request always drafts
+    for r in (1, 2, 3):
+        drafted = sum(h[r] for h in history)
+        assert 1 <= drafted <= 8, (r, drafted)  # kept out, but re-sampled now and then
