@@ -41,6 +41,7 @@ class Cell:
     nodes_per_forward: float
     mismatches: int
     outputs: dict[int, list[int]] | None = None  # prompt index -> output ids (not written to JSON)
+    controller: dict | None = None  # the adaptive controller's snapshot after the cell (None: a fixed mode)
 
     @property
     def tokens_per_s(self) -> float:
@@ -133,7 +134,8 @@ def run_cell(engine: Engine, mode: str, prompts: list[list[int]], clients: int, 
                 wall_s=wall, tpot_s=statistics.fmean(tpots) if tpots else 0.0,
                 ttft_s=statistics.fmean(ttfts) if ttfts else 0.0, mean_batch=batch_sum / n_fwd if n_fwd else 0.0,
                 nodes_per_forward=nodes_sum / n_fwd if n_fwd else 0.0, mismatches=mism,
-                outputs={i: tokens for i, _, tokens in finished})
+                outputs={i: tokens for i, _, tokens in finished},
+                controller=engine.controller.snapshot() if hasattr(engine.controller, "snapshot") else None)
 
 
 def markdown(cells: list[Cell]) -> str:

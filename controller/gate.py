@@ -25,6 +25,11 @@ costs and buys:
   no longer than the best arm's), so a drafter that starts paying is back within that many
   steps plus the few samples its average needs to cross the best (consecutive, since each
   winning sample is followed at once).
+While an arm has fewer than CONFIDENT_SAMPLES samples in its average, its period is scaled by
+n / CONFIDENT_SAMPLES (never below MIN_PERIOD): one unlucky first sample (a cold start, a hard
+first prompt) then costs a quarter of the full wait, not E r steps. Measured: a single first
+draft sample at gain 0.35 and length 2.8 kept the drafter off for 181 steps, longer than a
+whole benchmark cell at two clients (docs/results/concurrency_bench.md).
 An arm's average weighs its newest gain by max(alpha, 1 / n) over its n samples (a mean of the
 first few, then exponential). The averages are state of the machine and the drafter, so they
 carry from request to request;
@@ -41,6 +46,8 @@ ARMS = ("draft", "cheap", "plain")
 MIN_PERIOD = 8
 #: The most the exploration period stretches for an arm whose steps are longer than the best's.
 R_MAX = 4.0
+#: Samples after which an arm's average is trusted for the full exploration period.
+CONFIDENT_SAMPLES = 4
 
 
 class SpeculationGate:
@@ -94,8 +101,8 @@ class SpeculationGate:
         return best
 
     def period(self, arm: str) -> int:
-        """Steps `arm` may go unsampled while it is not the best: min(E r, max(MIN_PERIOD, 1 + 2 E r gap))
-        (the module docstring)."""
+        """Steps `arm` may go unsampled while it is not the best: min(E r, max(MIN_PERIOD, 1 + 2 E r gap)),
+        scaled by n / CONFIDENT_SAMPLES while the arm has n < CONFIDENT_SAMPLES samples (the module docstring)."""
         best = self.best()
         g, g_best = self.gain[arm], self.gain[best]
         if g is None or g_best <= 0:
@@ -104,7 +111,10 @@ class SpeculationGate:
         la, lb = self.length[arm], self.length[best]
         r = 1.0 if la is None or not lb else min(max(la / lb, 1.0), R_MAX)
         every = self.explore_every * r
-        return int(min(every, max(MIN_PERIOD, 1 + 2 * every * gap)))
+        period = min(every, max(MIN_PERIOD, 1 + 2 * every * gap))
+        # Plain decoding's gain is 1 by definition: nothing to be unsure of.
+        confidence = 1.0 if arm == "plain" else min(1.0, self._n[arm] / CONFIDENT_SAMPLES)
+        return int(max(min(period, MIN_PERIOD), period * confidence))
 
     def should_draft(self) -> bool:
         """True when the next step should run the full drafter."""

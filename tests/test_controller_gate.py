@@ -84,9 +84,8 @@ def test_long_losing_steps_are_sampled_less_often_so_their_time_cost_stays_bound
     assert g.period("draft") == int(E * R_MAX)
     assert lost / spent <= 0.72 * (5.0 / R_MAX) / E + 2e-3  # (r / R_MAX) gap / E
     unscaled = SpeculationGate(explore_every=E, arms=("draft", "plain"))
-    for _ in range(3):
-        a = unscaled.choice()
-        unscaled.record(a, gains[a])  # no lengths: the period of equal-length steps
+    for _ in range(4):
+        unscaled.record("draft", gains["draft"])  # no lengths: the period of equal-length steps
     assert unscaled.period("draft") == E
     with pytest.raises(ValueError):
         g.record("draft", 0.5, 0.0)
@@ -143,3 +142,27 @@ def test_state_carries_and_a_new_class_inherits_its_neighbours_averages():
     assert snap["choice"] == "cheap" and snap["gain"]["draft"] == a.gain["draft"]
     b.record("cheap", 0.5)  # the inherited average counts as one sample: the first own one weighs half
     assert b.gain["cheap"] == pytest.approx((a.gain["cheap"] + 0.5) / 2)
+
+
+def test_an_arm_with_few_samples_is_rechecked_sooner():
+    """One bad first sample must not lock an arm out for the full period: with n < CONFIDENT_SAMPLES
+    samples the period is n / CONFIDENT_SAMPLES of it (never below MIN_PERIOD)."""
+    from controller.gate import CONFIDENT_SAMPLES, MIN_PERIOD
+
+    g = SpeculationGate(explore_every=64, arms=("draft", "plain"))
+    g.record("draft", 0.35, 2.8)  # a cold first draft: gain 0.35 in 2.8 plain steps
+    full = int(min(64 * 2.8, max(MIN_PERIOD, 1 + 2 * 64 * 2.8 * 0.65)))
+    assert full == 179 and g.period("draft") == int(full / CONFIDENT_SAMPLES)
+    waited = 0
+    while not g.should_draft():
+        g.record("plain")
+        waited += 1
+    assert waited == int(full / CONFIDENT_SAMPLES)
+    g.record("draft", 0.35, 2.8)
+    assert g.period("draft") == int(full * 2 / CONFIDENT_SAMPLES)
+    for _ in range(2):
+        g.record("draft", 0.35, 2.8)
+    assert g.period("draft") == full
+    near = SpeculationGate(explore_every=64, arms=("draft", "plain"))
+    near.record("draft", 0.99, 1.0)  # a near-tie keeps the MIN_PERIOD floor
+    assert near.period("draft") == MIN_PERIOD
