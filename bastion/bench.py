@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "writes DIR/concurrency.json and concurrency.md)")
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="requests each client sends per --concurrency cell (default 2)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--concurrency: run every cell this many times, mode order rotated per pass; tables "
+                        "report medians (default 1)")
 
 
 def run(args) -> int:
@@ -95,8 +98,8 @@ def run(args) -> int:
     if max_new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
     if args.concurrency is not None:
-        if not args.concurrency or min(args.concurrency) < 1 or args.requests_per_client < 1:
-            raise ValueError("--concurrency needs levels >= 1 and --requests-per-client >= 1")
+        if not args.concurrency or min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
+            raise ValueError("--concurrency needs levels >= 1, --requests-per-client >= 1 and --repeats >= 1")
         from bastion.concurrency import CONCURRENCY_MODES
 
         requested = args.modes or list(CONCURRENCY_MODES)
@@ -188,7 +191,7 @@ def _run_concurrency(args, target, drafter, modes, prompt_sets, bastion_controll
     print(f"bastion bench --concurrency {','.join(map(str, args.concurrency))}: {len(prompts)} prompts, "
           f"{args.requests_per_client} requests per client, modes {', '.join(modes)}, out {out}", file=sys.stderr)
     cells = run_concurrency(engines, prompts, list(args.concurrency), args.requests_per_client, params, Path(out),
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, repeats=args.repeats)
     print(markdown(cells))
     bad = [c for c in cells if c.mismatches]
     if bad:

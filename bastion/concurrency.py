@@ -42,6 +42,7 @@ class Cell:
     mismatches: int
     outputs: dict[int, list[int]] | None = None  # prompt index -> output ids (not written to JSON)
     controller: dict | None = None  # the adaptive controller's snapshot after the cell (None: a fixed mode)
+    repeat: int = 0  # which pass over the modes (run_concurrency's repeats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,28 +139,41 @@ def run_cell(engine: Engine, mode: str, prompts: list[list[int]], clients: int, 
                 controller=engine.controller.snapshot() if hasattr(engine.controller, "snapshot") else None)
 
 
+def medians(cells: list[Cell]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(mode, concurrency) -> (median tokens/s, median TPOT seconds) over the cell's repeats."""
+    groups: dict[tuple[str, int], list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.mode, c.concurrency), []).append(c)
+    return {key: (statistics.median(c.tokens_per_s for c in cs), statistics.median(c.tpot_s for c in cs))
+            for key, cs in groups.items()}
+
+
 def markdown(cells: list[Cell]) -> str:
-    """Tokens/s table (modes x concurrency), with per-request TPOT and the ratio to the best mode."""
+    """Tokens/s table (modes x concurrency), with per-request TPOT and the ratio to the best mode;
+    with repeats, each figure is the median over them."""
     levels = sorted({c.concurrency for c in cells})
     modes = list(dict.fromkeys(c.mode for c in cells))
-    by = {(c.mode, c.concurrency): c for c in cells}
-    best = {k: max(c.tokens_per_s for c in cells if c.concurrency == k) for k in levels}
+    med = medians(cells)
+    best = {k: max(tps for (m, kk), (tps, _) in med.items() if kk == k) for k in levels}
     head = "| mode | " + " | ".join(f"k={k} tok/s (TPOT ms, x best)" for k in levels) + " |"
     lines = [head, "|---|" + "---|" * len(levels)]
     for m in modes:
         row = [m]
         for k in levels:
-            c = by.get((m, k))
-            row.append("-" if c is None else f"{c.tokens_per_s:.1f} ({1e3 * c.tpot_s:.0f}, "
-                       f"{c.tokens_per_s / best[k]:.2f})")
+            got = med.get((m, k))
+            row.append("-" if got is None else f"{got[0]:.1f} ({1e3 * got[1]:.0f}, {got[0] / best[k]:.2f})")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
 def run_concurrency(engines: dict[str, Engine], prompts: list[list[int]], levels: list[int], per_client: int,
-                    params: SamplingParams, out: Path | None = None, progress: bool = True) -> list[Cell]:
+                    params: SamplingParams, out: Path | None = None, progress: bool = True,
+                    repeats: int = 1) -> list[Cell]:
     """Every mode of `engines` (name -> Engine; 'serial-ar' runs with max_running 1) at every
-    concurrency level: all modes at the first level, then all at the next, and so on. At temperature 0 the outputs of the first AR mode ('serial-ar',
+    concurrency level: all modes at the first level, then all at the next, and so on. With
+    repeats > 1, each level runs every mode that many times, the order rotated by one mode per
+    pass, so a slow phase of the machine does not always hit the same mode (the tables report
+    medians). At temperature 0 the outputs of the first AR mode ('serial-ar',
     else 'ar') are the references the others' mismatches count against (the reference mode's
     own cells are checked against its first). A warm-up request per mode runs untimed. With
     `out`, writes concurrency.json and concurrency.md there after every cell.
@@ -176,21 +190,27 @@ def run_concurrency(engines: dict[str, Engine], prompts: list[list[int]], levels
         run_cell(engine, mode, prompts[:1], 1, 1, warm)
     # Level-major: every mode runs at one concurrency before the next, so a machine that slows
     # down over the run slows every mode of a level alike.
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(engines)
     for k in levels:
-        for mode, engine in engines.items():
-            check = refs if refs is not None and (mode != ref_mode or refs) else None
-            cell = run_cell(engine, mode, prompts, k, per_client, params, check,
-                            max_running=1 if mode == "serial-ar" else k)
-            if refs is not None and mode == ref_mode:
-                for i, toks in (cell.outputs or {}).items():
-                    refs.setdefault(i, toks)
-            cells.append(cell)
-            if progress:
-                print(f"bench --concurrency: {mode} k={k}: {cell.tokens_per_s:.1f} tok/s, TPOT "
-                      f"{1e3 * cell.tpot_s:.0f} ms, batch {cell.mean_batch:.2f}, {cell.nodes_per_forward:.1f} "
-                      f"nodes/forward, {cell.mismatches} mismatches", file=sys.stderr)
-            if out is not None:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "concurrency.json").write_text(json.dumps([c.to_json() for c in cells], indent=1) + "\n")
-                (out / "concurrency.md").write_text(markdown(cells) + "\n")
+        for rep in range(repeats):
+            for mode in names[rep % len(names):] + names[:rep % len(names)]:
+                engine = engines[mode]
+                check = refs if refs is not None and (mode != ref_mode or refs) else None
+                cell = run_cell(engine, mode, prompts, k, per_client, params, check,
+                                max_running=1 if mode == "serial-ar" else k)
+                cell.repeat = rep
+                if refs is not None and mode == ref_mode:
+                    for i, toks in (cell.outputs or {}).items():
+                        refs.setdefault(i, toks)
+                cells.append(cell)
+                if progress:
+                    print(f"bench --concurrency: {mode} k={k} (pass {rep + 1}/{repeats}): {cell.tokens_per_s:.1f} "
+                          f"tok/s, TPOT {1e3 * cell.tpot_s:.0f} ms, batch {cell.mean_batch:.2f}, "
+                          f"{cell.nodes_per_forward:.1f} nodes/forward, {cell.mismatches} mismatches", file=sys.stderr)
+                if out is not None:
+                    out.mkdir(parents=True, exist_ok=True)
+                    (out / "concurrency.json").write_text(json.dumps([c.to_json() for c in cells], indent=1) + "\n")
+                    (out / "concurrency.md").write_text(markdown(cells) + "\n")
     return cells

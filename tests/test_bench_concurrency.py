@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bastion.concurrency import _client_plan, markdown, run_concurrency
+from bastion.concurrency import _client_plan, markdown, medians, run_concurrency
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
 from helpers import ShuffledMarginalsDrafter, tiny_target
@@ -37,6 +37,26 @@ def test_every_mode_and_level_serves_the_same_outputs_and_batches(tmp_path):
     assert len(saved) == 6 and "outputs" not in saved[0]
     table = markdown(cells)
     assert table.count("\n") == 2 + len(engines) - 1 and "k=3" in table
+
+
+def test_repeats_rotate_the_mode_order_and_the_table_reports_medians():
+    target = tiny_target(vocab=8, layers=2, hidden=32)
+    engines = {"ar": Engine(target, None, make_controller("ar")),
+               "tree-8": Engine(target, ShuffledMarginalsDrafter(8), make_controller("tree", 8)),
+               "chain": Engine(target, ShuffledMarginalsDrafter(8), make_controller("chain"))}
+    cells = run_concurrency(engines, PROMPTS, [2], 1, SamplingParams(max_tokens=6), progress=False, repeats=3)
+    assert [(c.mode, c.repeat) for c in cells] == [("ar", 0), ("tree-8", 0), ("chain", 0), ("tree-8", 1),
+                                                   ("chain", 1), ("ar", 1), ("chain", 2), ("ar", 2), ("tree-8", 2)]
+    assert all(c.mismatches == 0 for c in cells)
+    med = medians(cells)
+    for mode in engines:
+        runs = sorted(c.tokens_per_s for c in cells if c.mode == mode)
+        assert med[(mode, 2)][0] == runs[1]
+    best = max(v[0] for v in med.values())
+    assert f"{med[('chain', 2)][0]:.1f} ({1e3 * med[('chain', 2)][1]:.0f}, {med[('chain', 2)][0] / best:.2f})" \
+        in markdown(cells)
+    with pytest.raises(ValueError):
+        run_concurrency(engines, PROMPTS, [2], 1, SamplingParams(max_tokens=6), progress=False, repeats=0)
 
 
 def test_a_wrong_output_is_counted_as_a_mismatch():
