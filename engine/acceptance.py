@@ -9,10 +9,13 @@ first, their results are concatenated, and one read brings all of them back:
   bonus token, computed on the device);
 - sampling sequences with `draw_all`: one exact sample of the target's processed distribution at
   every node, drawn at once (`draw_nodes`); the host then walks the tree: from the root, descend to
-  the child carrying the node's sample, else that sample is the bonus token. Each node's sample is
-  used at most once and independently of the others, so the committed tokens have exactly the
-  distribution of the lazy walk (`engine.verifier.accept_sample`), which draws at each visited
-  node in turn.
+  the child carrying the node's sample, else that sample is the bonus token. A node at depth d
+  samples with the uniform of the output position it would fill (`engine.sampling.UniformStream`),
+  by inverse CDF. The walk visits one node per depth, so the draws it uses are independent, and
+  the committed tokens have exactly the distribution of the lazy walk
+  (`engine.verifier.accept_sample`), which draws at each visited node in turn. Since a position's
+  uniform does not depend on the tree, a seeded request's output does not depend on the trees the
+  global budget gave it (which depend on what else runs).
 - sampling sequences without `draw_all` walk lazily after the read (on a CPU a read costs nothing,
   while processing every node's distribution costs a top-p sort per node).
 """
@@ -24,7 +27,7 @@ import torch
 
 from engine import verifier
 from engine.greedy_device import greedy_from_host, greedy_packed
-from engine.sampling import SamplingParams, processed_probs
+from engine.sampling import SamplingParams, UniformStream, processed_probs, sample_with_uniforms
 from engine.tree import Tree
 from engine.tree_buffers import DeviceTree
 
@@ -40,10 +43,11 @@ class Acceptance:
     index: torch.Tensor | None = None
 
 
-def draw_nodes(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def draw_nodes(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
     """One exact sample per node: [n] int64 on the logits' device, row i drawn from the processed
-    target distribution (temperature, top-k, top-p) of logits[i]. logits: [n, V]."""
-    return torch.multinomial(processed_probs(logits, params), 1, generator=generator).view(-1)
+    target distribution (temperature, top-k, top-p) of logits[i] with uniform uniforms[i].
+    logits: [n, V]; uniforms: [n] in [0, 1) (by output position, `UniformStream`)."""
+    return sample_with_uniforms(processed_probs(logits, params), uniforms)
 
 
 def walk_drawn(tree: Tree, draws: list[int]) -> tuple[list[int], int]:
@@ -60,14 +64,15 @@ def walk_drawn(tree: Tree, draws: list[int]) -> tuple[list[int], int]:
 
 def accept_batch(trees: list[Tree], device_trees: list[DeviceTree], logits: list[torch.Tensor],
                  params: list[SamplingParams], generators: list[torch.Generator | None],
-                 draw_all: bool) -> list[Acceptance | Exception]:
+                 streams: list[tuple[UniformStream, int] | None]) -> list[Acceptance | Exception]:
     """Acceptance of every tree of a step, in order, with one host read in all.
 
     trees / device_trees: the verified trees (host and device forms); logits: [n_r, V] per tree;
     params / generators: each sequence's sampling parameters and generator (None: the global
-    one). draw_all: sampling sequences draw every node at once (`draw_nodes`) instead of
-    walking lazily. A sequence whose own acceptance raises gets its exception in its place;
-    the others are unaffected.
+    one), for the lazy walk. streams: per sampling sequence, (its UniformStream, the output
+    position its root's draw fills) to draw every node at once (`draw_nodes`), or None for the
+    lazy walk (ignored for greedy sequences). A sequence whose own acceptance raises gets its
+    exception in its place; the others are unaffected.
     """
     b = len(trees)
     out: list[Acceptance | Exception | None] = [None] * b
@@ -78,8 +83,11 @@ def accept_batch(trees: list[Tree], device_trees: list[DeviceTree], logits: list
             if params[r].greedy:
                 packed, table = greedy_packed(device_trees[r], logits[r])
                 tables[r] = table
-            elif draw_all:
-                packed = draw_nodes(logits[r], params[r], generators[r])
+            elif streams[r] is not None:
+                stream, position = streams[r]
+                dt = device_trees[r]
+                u = stream.take(position, dt.max_depth + 1)[dt.depths]
+                packed = draw_nodes(logits[r], params[r], u)
             else:
                 continue
         except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's

@@ -12,7 +12,7 @@ from drafting.proposal import Proposal
 from engine.accounting import StepAccounting, StepStats, summarize
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import Target
-from engine.sampling import RequestError, SamplingParams, select_token
+from engine.sampling import RequestError, SamplingParams, UniformStream, select_token
 from engine.tree import (BatchStoppingPolicy, ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree,
                          build_tree, build_trees)
 from engine.forward import TREE_HEADROOM, Segment, target_forward_for
@@ -96,6 +96,7 @@ class Sequence:
     finish_reason: str | None = None
     pending: GenerationEvent | None = None
     control: object = None  # the controller's own state for this request (StepController.sequence_state)
+    uniforms: UniformStream | None = None  # per-position uniforms when every tree node is drawn at once
 
     @property
     def n_out(self) -> int:
@@ -500,7 +501,7 @@ class Engine:
         clock.mark()
         accepted = accept_batch([plans[r][0] for r in live], [device_trees[r] for r in live],
                                 [verified[r].logits for r in live], [seqs[r].params for r in live],
-                                [seqs[r].generator for r in live], self.draw_all)
+                                [seqs[r].generator for r in live], [self._uniforms(seqs[r]) for r in live])
         results = {}
         for r, acc in zip(live, accepted):
             seq, (tree, drafted, cheap), out = seqs[r], plans[r], verified[r]
@@ -537,6 +538,15 @@ class Engine:
         elif len(observed) > 1:
             self.controller.observe_batch(*(list(col) for col in zip(*observed)))
         return events
+
+    def _uniforms(self, seq: Sequence) -> tuple[UniformStream, int] | None:
+        """(the sequence's UniformStream, its next output position) when its sampling draws every
+        tree node at once (`draw_all`), else None (greedy, or the lazy walk)."""
+        if not self.draw_all or seq.params.greedy:
+            return None
+        if seq.uniforms is None:
+            seq.uniforms = UniformStream(seq.generator, self.model.device)
+        return seq.uniforms, seq.n_out
 
     def _commit_accepted(self, seq: Sequence, tree: Tree, acc: Acceptance, out: VerifyOutput
                          ) -> tuple[list[int], list[int], str | None, int]:

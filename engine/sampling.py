@@ -96,3 +96,43 @@ def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     probs = processed_probs(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class UniformStream:
+    """Uniforms in [0, 1) indexed by output position: the value for position k depends only on the
+    generator's seed and k, not on how the positions were grouped into steps.
+
+    Tree acceptance that draws every node at once (engine.acceptance, `draw_all`) samples the node
+    at depth d of a step that starts at output position k with the uniform of position k + d.
+    Whatever tree a step verifies (a global budget sizes it by what else runs), each output token
+    is then the same function of its own uniform, so seeded outputs do not depend on the batch.
+    generator: the request's generator (None: the global one); device: where uniforms are made.
+    Uniforms are drawn in chunks of CHUNK, in order, so the stream is the same however it is read.
+    """
+
+    CHUNK = 256
+
+    def __init__(self, generator: torch.Generator | None, device: torch.device | str):
+        self.generator = generator
+        self.device = torch.device(device)
+        self._buf = torch.empty(0, device=self.device)
+
+    def take(self, start: int, count: int) -> torch.Tensor:
+        """Uniforms of positions [start, start + count): [count] float32 on the stream's device.
+        Raises ValueError for a negative start or count."""
+        if start < 0 or count < 0:
+            raise ValueError(f"positions must be non-negative, got start={start} count={count}")
+        while self._buf.numel() < start + count:
+            more = torch.rand(self.CHUNK, generator=self.generator, device=self.device)
+            self._buf = torch.cat([self._buf, more])
+        return self._buf[start:start + count]
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i of probs [n, V] sampled with uniform u[i] ([n] in [0, 1)).
+    Returns [n] int64: the first index whose cumulative probability exceeds u[i] times the row's
+    total (so a zero-probability token is never chosen)."""
+    cdf = probs.cumsum(dim=-1)
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    idx = (cdf <= target).sum(dim=-1)
+    return idx.clamp(max=probs.shape[-1] - 1)

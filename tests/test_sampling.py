@@ -120,6 +120,18 @@ def test_processed_probs_top_k_top_p():
     assert torch.allclose(p[:k], full[:k] / full[:k].sum())
 
 
+@pytest.mark.parametrize("draw_all", [False, True], ids=["lazy-walk", "draw-every-node"])
+def test_a_seeded_output_does_not_depend_on_the_tree(tiny, draw_all):
+    """Each output position has its own draw, whatever tree verified it: the same seed gives the
+    same tokens through a chain, 4-node and 24-node trees (what a global budget varies)."""
+    outs = []
+    for mode, budget in (("ar", 1), ("chain", 16), ("tree", 4), ("tree", 24)):
+        eng = Engine(tiny, ShuffledMarginalsDrafter(vocab=8, seed=2), make_controller(mode, budget))
+        eng.draw_all = draw_all
+        outs.append(eng.generate(PROMPT, SamplingParams(max_tokens=24, seed=7, **PARAMS)).token_ids)
+    assert outs[0] == outs[1] == outs[2] == outs[3] and len(outs[0]) == 24
+
+
 def test_seeded_sampling_is_reproducible(tiny):
     drafter = random_dflash(tiny.model, seed=2, num_layers=1, mask_token_id=0)
     eng = Engine(tiny, drafter, make_controller("tree", 8))
