@@ -11,7 +11,8 @@ PORT ?= $(or $(BASTION_PORT),8000)
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# CPU torch first (a local file), so nothing pulls a multi-GB CUDA build; then the project.
+# torch first, pinned, from the configured index (a CPU-only index or wheel folder keeps a multi-GB CUDA build
+# out; see README), then the project.
 $(STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
