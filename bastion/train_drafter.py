@@ -60,6 +60,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: run to --steps)")
     parser.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint every this many minutes")
     parser.add_argument("--eval-minutes", type=float, default=15.0, help="speculative-decoding eval every this many minutes")
+    parser.add_argument("--val-steps", type=int, default=250,
+                        help="teacher-forced metrics on the held-out sequences every this many steps (0: off)")
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out validation prompts per eval")
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per eval prompt")
     parser.add_argument("--ship", default="", help="also export every best-tau checkpoint to this folder")

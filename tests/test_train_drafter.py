@@ -15,7 +15,8 @@ from training.features import teacher_forced
 from training.generate import decode_many
 from training.shards import Sequence, write_shard
 from training.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
-from training.train_loop import build, export, load_state, save_ckpt, save_state, train_stage, train_step
+from training.train_loop import (TokenData, build, export, load_state, save_ckpt, save_state, train_stage, train_step,
+                                 validate)
 
 LAYERS = (0, 1)  # target_layer_ids of the tiny 2-layer target
 
@@ -219,7 +220,8 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
     args = argparse.Namespace(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3,
                               steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
                               eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
-                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4)
+                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4,
+                              val_steps=25)
     log = logging.getLogger("test")
     # A tiny config: the stage builds from args, so patch the target-specific fields through TrainConfig defaults.
     import training.train_loop as tl
@@ -272,3 +274,44 @@ def test_train_stage_dtype_follows_the_data_so_captured_features_are_found(tmp_p
         write_shard(tmp_path, [Sequence(torch.arange(6).numpy(), 2, "x", True)], "tiny", meta={"dtype": dt})
     assert train_dtype(ns("auto")) == "bfloat16"
     assert train_dtype(ns("float32")) == "float32"
+
+
+def test_held_out_sequences_are_excluded_from_training_and_scored_by_validate(target, tmp_path):
+    """Every holdout_every-th sequence of a shard is held out: not in train_idx, not in the vocabulary
+    counts; validate() gives the mean teacher-forced metrics of exactly those sequences, in eval mode."""
+    _write_data(target, tmp_path / "data", n_shards=2)  # 6 sequences a shard
+    fw = TargetForward(target.model, packed=False)
+    data = TokenData(tmp_path / "data", fw, tuple(i + 1 for i in LAYERS), tmp_path / "features", top_k=4,
+                     holdout_every=3)
+    data.refresh()
+    assert data.val_idx == [2, 5, 8, 11]
+    assert sorted(data.train_idx + data.val_idx) == list(range(12))
+    counts = torch.zeros(16, dtype=torch.long)
+    for i in data.train_idx:
+        counts += torch.bincount(data.ids[i][data.prompt_lens[i]:].long(), minlength=16)
+    assert torch.equal(data.counts(16), counts)
+    every = TokenData(tmp_path / "data", fw, tuple(i + 1 for i in LAYERS), tmp_path / "features", top_k=4,
+                      holdout_every=0)
+    every.refresh()
+    assert every.val_idx == [] and every.counts(16).sum() > counts.sum()
+
+    torch.manual_seed(0)
+    trainer = DrafterTrainer(target.model, cfg_for(blocks=3))
+    trainer.model.train()
+    got = validate(trainer, data, seed=5, batch=3)
+    assert trainer.model.training  # restored
+    gen = torch.Generator().manual_seed(5)
+    trainer.model.eval()
+    acc, tau, loss = [], [], []
+    with torch.no_grad():
+        for i in (0, 3):
+            b = make_batch(data.records(data.val_idx[i:i + 3]), trainer.cfg, gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = trainer(b)
+            acc.append(float(out["acc1"]))
+            tau.append(float(out["est_tau"]))
+            loss.append(float(out["loss"]))
+    assert got["val_acc1"] == pytest.approx(sum(acc) / 2, abs=1e-4)
+    assert got["val_tau_est"] == pytest.approx(sum(tau) / 2, abs=1e-4)
+    assert got["val_loss"] == pytest.approx(sum(loss) / 2, abs=1e-4)
+    assert 1.0 <= got["val_tau_est"] <= 4.0

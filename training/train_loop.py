@@ -29,16 +29,24 @@ from training.shards import read_manifest, read_shard
 from training.train import DrafterTrainer, TrainConfig, frequent_vocab, lr_at, make_batch, to_drafter
 
 
+#: One sequence in this many of every shard is held out of training for `validate`.
+HOLDOUT_EVERY = 64
+
+
 class TokenData:
     """The token shards of a data folder with their features, computed on first use.
 
     fw: the target's engine.forward.TargetForward (features come from it, teacher-forced);
     layers: feature layers (HF hidden_states indices); cache_dir: where FeatureStores live.
-    Sequences with fewer than `min_response` response tokens are skipped.
+    Sequences with fewer than `min_response` response tokens are skipped. Every
+    `HOLDOUT_EVERY`-th sequence of each shard (j % holdout_every == holdout_every - 1; 0: none) is held
+    out: `train_idx` lists the sequences training samples, `val_idx` the held-out ones that
+    `validate` scores (the same sequences on every machine, since shards are in git).
     """
 
     def __init__(self, folder: Path, fw, layers: tuple[int, ...], cache_dir: Path, top_k: int = 8,
-                 min_response: int = 2):
+                 min_response: int = 2, holdout_every: int | None = None):
+        self.holdout_every = HOLDOUT_EVERY if holdout_every is None else holdout_every
         self.folder, self.fw, self.layers, self.top_k = Path(folder), fw, tuple(layers), top_k
         self.cache_dir = Path(cache_dir)
         self.min_response = min_response
@@ -47,6 +55,8 @@ class TokenData:
         self.prompt_lens: list[int] = []
         self._where: list[tuple[FeatureStore, int]] = []
         self.tokens = 0  # response tokens
+        self.train_idx: list[int] = []
+        self.val_idx: list[int] = []
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -70,15 +80,17 @@ class TokenData:
                 self.prompt_lens.append(s.prompt_len)
                 self._where.append((store, j))
                 self.tokens += s.response_len
+                held = self.holdout_every and j % self.holdout_every == self.holdout_every - 1
+                (self.val_idx if held else self.train_idx).append(len(self.ids) - 1)
             self.loaded.append(entry["file"])
             new += 1
         return new
 
     def counts(self, vocab_size: int) -> torch.Tensor:
-        """Response-token counts over every loaded sequence -> int64 [vocab_size]."""
+        """Response-token counts over the training sequences (held-out ones excluded) -> int64 [vocab_size]."""
         c = torch.zeros(vocab_size, dtype=torch.long)
-        for ids, pl in zip(self.ids, self.prompt_lens):
-            c += torch.bincount(ids[pl:].long(), minlength=vocab_size)
+        for i in self.train_idx:
+            c += torch.bincount(self.ids[i][self.prompt_lens[i]:].long(), minlength=vocab_size)
         return c
 
     def records(self, indices: list[int]) -> list[dict]:
@@ -187,6 +199,35 @@ def evaluate_tau(target, drafter, prompts: list[str], max_tokens: int, modes=(("
         res[key] = acc / max(1, steps)
         res[f"{key}_s"] = round(time.perf_counter() - t0, 1)
     return res
+
+
+@torch.no_grad()
+def validate(trainer: DrafterTrainer, data: TokenData, seed: int = 1, batch: int = 8) -> dict:
+    """Teacher-forced metrics on the held-out sequences (`data.val_idx`), eval mode, fixed anchors.
+
+    Returns {"val_loss", "val_acc1", "val_tau_est"}: means over batches of DrafterTrainer's loss,
+    position-1 top-1 accuracy and chain-tau estimate (1 + expected accepted run of a block at a
+    random anchor; an upper bound of engine tau, whose anchors follow rejections). Empty when no
+    sequence is held out.
+    """
+    if not data.val_idx:
+        return {}
+    cfg = trainer.cfg
+    gen = torch.Generator().manual_seed(seed)
+    was_training = trainer.model.training
+    trainer.model.eval()
+    sums = {"val_loss": 0.0, "val_acc1": 0.0, "val_tau_est": 0.0}
+    n = 0
+    for i in range(0, len(data.val_idx), batch):
+        b = make_batch(data.records(data.val_idx[i:i + batch]), cfg, gen, soft=cfg.soft_weight > 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
+            out = trainer(b)
+        sums["val_loss"] += float(out["loss"])
+        sums["val_acc1"] += float(out["acc1"])
+        sums["val_tau_est"] += float(out["est_tau"])
+        n += 1
+    trainer.model.train(was_training)
+    return {k: round(v / n, 5) for k, v in sums.items()}
 
 
 def export(trainer: DrafterTrainer, path: Path, dtype=torch.bfloat16) -> None:
@@ -382,7 +423,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
     data.refresh()
     if not len(data):
         raise SystemExit(f"no training sequences in {args.data_dir}: run the data stage first")
-    log.info("train: %d sequences, %d response tokens", len(data), data.tokens)
+    log.info("train: %d sequences (%d held out), %d response tokens", len(data), len(data.val_idx), data.tokens)
     V = target.config.vocab_size
     trainer, opt = build(target.model, cfg, data.counts(V), ckpt)
     cfg = trainer.cfg
@@ -418,6 +459,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
     def run_eval():
         """Held-out tau of the current weights, logged; exported (and shipped) when it is the best."""
         ev = evaluate_tau(target, to_drafter(trainer, target.model), val, args.eval_tokens)
+        ev.update(validate(trainer, data))
         ev.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
                   data_tokens=data.tokens, epoch=sampler.epoch, time=time.time())
         with open(state_dir / "eval.jsonl", "a") as fh:
@@ -462,7 +504,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
                 trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
             log.info("train: data now %d sequences, %d response tokens", len(data), data.tokens)
         t0 = time.perf_counter()
-        seqs = data.records(sampler.take(len(data), cfg.batch))
+        seqs = data.records([data.train_idx[i] for i in sampler.take(len(data.train_idx), cfg.batch)])
         t1 = time.perf_counter()
         batch = make_batch(seqs, cfg, gen, soft=cfg.soft_weight > 0)
         m = train_step(trainer, opt, batch, state["step"])
@@ -480,6 +522,9 @@ def train_stage(args, out: Path, log, target=None) -> None:
             line.update(step=state["step"], train_h=round(state["train_s"] / 3600, 4), blocks=state["blocks"],
                         blocks_per_s=round(n_agg * cfg.batch * cfg.blocks / dt, 1), data_tokens=data.tokens,
                         epoch=sampler.epoch, feature_h=round(state["feature_s"] / 3600, 4), time=time.time())
+            if args.val_steps and state["step"] - state.get("last_val_step", 0) >= args.val_steps:
+                line.update(validate(trainer, data))
+                state["last_val_step"] = state["step"]
             with open(state_dir / "loss.jsonl", "a") as fh:
                 fh.write(json.dumps(line) + "\n")
             log.info("step %d loss %.3f acc1 %.3f est_tau %.3f lr %.2e %.0f blocks/s", state["step"], line["loss"],
