@@ -65,8 +65,11 @@ def load_drafter(spec: str | None, target: Target) -> Drafter | None:
     return load_dflash(spec, target.model)
 
 
-def build_engine(settings: EngineSettings, target: Target | None = None) -> Engine:
+def build_engine(settings: EngineSettings, target: Target | None = None, max_batch: int = 1) -> Engine:
     """Load what the settings name and return an Engine (the controller is built for 'bastion').
+
+    max_batch: sequences a server decodes together (its --max-running); dtype 'auto' then also
+    times a batched step of that many sequences.
 
     Raises ConfigError for a speculative mode without a drafter or an unknown mode;
     TargetLoadError / DrafterLoadError for bad checkpoints.
@@ -77,7 +80,8 @@ def build_engine(settings: EngineSettings, target: Target | None = None) -> Engi
         raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
     # dtype 'auto' weighs what the mode verifies: one token for plain decoding, trees otherwise.
     sizes = (1,) if settings.mode == "ar" else (1, 16)
-    target = target or load_target(settings.target, settings.dtype, settings.device, auto_sizes=sizes)
+    target = target or load_target(settings.target, settings.dtype, settings.device, auto_sizes=sizes,
+                                   auto_batch=max_batch)
     # 'auto': sdpa on a CPU, else the fastest backend measured on the device.
     backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)

@@ -44,7 +44,7 @@ def run(args) -> int:
     settings = settings_from_args(args)
     if settings.mode is None:
         settings.mode = "ar"  # the server's machinery is under test, not the speedup; no calibration
-    app = create_app(lambda: build_engine(settings),
+    app = create_app(lambda: build_engine(settings, max_batch=args.max_running),
                      ServerConfig(max_running=args.max_running, max_queue=args.max_queue, loopback_only=True),
                      CollectorRegistry())
     sched = app.state.scheduler

@@ -104,7 +104,7 @@ def run(args) -> int:
 
     config = server_config(args)
     settings = settings_from_args(args)
-    app = create_app(lambda: build_engine(settings), config)
+    app = create_app(lambda: build_engine(settings, max_batch=config.max_running), config)
     scheduler = app.state.scheduler
 
     class DrainingServer(uvicorn.Server):

@@ -163,12 +163,13 @@ def resolve_target(spec: str | None) -> tuple[str, Path | str]:
 
 
 def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                auto_sizes: tuple[int, ...] = (1, 16)) -> Target:
+                auto_sizes: tuple[int, ...] = (1, 16), auto_batch: int = 1) -> Target:
     """Load a target model and tokenizer with transformers.
 
     spec: see `resolve_target`. dtype: 'float32' or 'bfloat16' (weights and compute), or
     'auto': the one whose verification is cheaper here, measured at load (a few seconds;
-    engine.timing.choose_dtype over trees of `auto_sizes` nodes: (1,) for plain decoding).
+    engine.timing.choose_dtype over trees of `auto_sizes` nodes, (1,) for plain decoding, and a
+    batched step of `auto_batch` sequences when a server decodes that many together).
     A GGUF file is converted once (about 15 s) and then read from the cache directory.
     Raises TargetLoadError (bad path, unknown format, unsupported architecture, load failure).
     """
@@ -201,7 +202,7 @@ def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", d
     if auto:
         from engine.timing import choose_dtype
 
-        torch_dtype, costs = choose_dtype(model, sizes=auto_sizes)
+        torch_dtype, costs = choose_dtype(model, sizes=auto_sizes, batch=auto_batch)
         log.info("dtype auto: %s (verification cost %s)", str(torch_dtype).removeprefix("torch."),
                  ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in costs.items()))
     return Target(model=model, tokenizer=tok, name=name, dtype=torch_dtype, dtype_costs=costs)

@@ -107,7 +107,7 @@ def batch_verify_timer(model, feature_layers: tuple[int, ...] = (), backend: str
 
 
 def choose_dtype(model, candidates: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
-                 sizes: tuple[int, ...] = (1, 16), context: int = 256, repeats: int = 3
+                 sizes: tuple[int, ...] = (1, 16), context: int = 256, repeats: int = 3, batch: int = 1
                  ) -> tuple[torch.dtype, dict[str, float]]:
     """The dtype whose verification is cheapest on this machine, by measurement.
 
@@ -116,19 +116,24 @@ def choose_dtype(model, candidates: tuple[torch.dtype, ...] = (torch.float32, to
     -> float32 would change them). The model is converted once, to the winner, if that is not
     its dtype already. The cost of a candidate is the sum over `sizes` of the median seconds of
     one s-node verification over `context` cached tokens, through the engine's forward, as the
-    calibration times it. Returns (dtype, {dtype name: seconds}). On an AMX CPU or a GPU bfloat16
-    wins; on a CPU without bfloat16 matrix units float32 does for trees (docs/engine.md).
+    calibration times it; with `batch` > 1 (a server decoding that many sequences together) the
+    median of one batched step of `batch` one-token rows, each over its own slot of `context`
+    tokens, is added, since a CPU without bfloat16 matrix units can verify one sequence's tree
+    faster in bfloat16 and still run the batched step slower (docs/engine.md). Returns
+    (dtype, {dtype name: seconds}). On an AMX CPU or a GPU bfloat16 wins; on a CPU without
+    bfloat16 matrix units float32 does for trees and batches.
     """
     import copy
 
     costs: dict[str, float] = {}
+    workloads = [(1, s) for s in sizes] + ([(batch, 1)] if batch > 1 else [])
     for dtype in candidates:
         trial = model if dtype == model.dtype else copy.deepcopy(model).to(dtype)
-        measure = verify_timer(trial, capacity=context + max(sizes))
+        measure = batch_verify_timer(trial, capacity=context + max(sizes), max_batch=max(1, batch))
         total = 0.0
-        for s in sizes:
-            measure(s, context)  # warm-up
-            times = sorted(measure(s, context) for _ in range(repeats))
+        for b, s in workloads:
+            measure(b, s, context)  # warm-up
+            times = sorted(measure(b, s, context) for _ in range(repeats))
             total += times[len(times) // 2]
         costs[str(dtype).removeprefix("torch.")] = total
         del trial, measure

@@ -89,14 +89,14 @@ def test_choose_dtype_keeps_the_measured_cheaper_one(monkeypatch):
     import engine.timing as timing
 
     target = tiny_target(vocab=32, layers=2, hidden=32)
-    real = timing.verify_timer
+    real = timing.batch_verify_timer
 
     def slower_in_float32(model, *args, **kwargs):
         measure = real(model, *args, **kwargs)
         penalty = 1.0 if model.dtype == torch.float32 else 0.0  # far above any timing noise
-        return lambda s, c: measure(s, c) + penalty
+        return lambda b, s, c: measure(b, s, c) + penalty
 
-    monkeypatch.setattr(timing, "verify_timer", slower_in_float32)
+    monkeypatch.setattr(timing, "batch_verify_timer", slower_in_float32)
     dtype, costs = timing.choose_dtype(target.model, sizes=(1,), context=8, repeats=1)
     assert dtype == torch.bfloat16 and target.model.dtype == torch.bfloat16
     assert set(costs) == {"float32", "bfloat16"} and costs["float32"] > costs["bfloat16"]
@@ -107,18 +107,46 @@ def test_choose_dtype_never_rounds_the_weights_it_keeps(monkeypatch):
 
     target = tiny_target(vocab=32, layers=2, hidden=32)
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
-    real = timing.verify_timer
+    real = timing.batch_verify_timer
 
     def slower_in_bfloat16(model, *args, **kwargs):
         measure = real(model, *args, **kwargs)
         penalty = 1.0 if model.dtype == torch.bfloat16 else 0.0
-        return lambda s, c: measure(s, c) + penalty
+        return lambda b, s, c: measure(b, s, c) + penalty
 
-    monkeypatch.setattr(timing, "verify_timer", slower_in_bfloat16)
+    monkeypatch.setattr(timing, "batch_verify_timer", slower_in_bfloat16)
     dtype, _ = timing.choose_dtype(target.model, sizes=(1,), context=8, repeats=1)
     assert dtype == torch.float32
     after = target.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # bit for bit: the trial ran on a copy
+
+
+def test_choose_dtype_for_a_server_times_its_batched_step(monkeypatch):
+    """A dtype faster for one sequence's trees but slower for the batched step of a server's
+    max_running sequences loses when the batch is timed too, and only then."""
+    import engine.timing as timing
+
+    real = timing.batch_verify_timer
+    seen = []
+
+    def bf16_fast_alone_slow_batched(model, *args, **kwargs):
+        measure = real(model, *args, **kwargs)
+        bf16 = model.dtype == torch.bfloat16
+
+        def timed(b, s, c):
+            seen.append((str(model.dtype), b, s))
+            return measure(b, s, c) + (0.0 if bf16 else 1.0) * (b == 1) + (5.0 if bf16 else 0.0) * (b > 1)
+        return timed
+
+    monkeypatch.setattr(timing, "batch_verify_timer", bf16_fast_alone_slow_batched)
+    alone, _ = timing.choose_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, sizes=(1, 4), context=8,
+                                   repeats=1)
+    assert alone == torch.bfloat16 and all(b == 1 for _, b, _ in seen)
+    seen.clear()
+    served, costs = timing.choose_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, sizes=(1, 4), context=8,
+                                        repeats=1, batch=4)
+    assert served == torch.float32 and costs["bfloat16"] > costs["float32"] + 3.0
+    assert ("torch.float32", 4, 1) in seen and ("torch.bfloat16", 4, 1) in seen
 
 
 def test_reserve_slots_grows_the_pool_once_and_never_shrinks_it():
