@@ -205,6 +205,16 @@ def test_resume_continues_from_last_checkpoint(target, records, tmp_path):
             torch.testing.assert_close(c, a, atol=0.02 * float((a - d).abs().max()) + 1e-7, rtol=0)
             moved = max(moved, float((a - d).abs().max()))
     assert moved > 0
+    # Over the size limit the moments are left out; the resume keeps the weights and restarts AdamW.
+    save_state(tmp_path / "lean", tr2, opt2, {"step": 3}, moments_limit=1)
+    lean = load_state(tmp_path / "lean")
+    assert lean["opt_named"] == {} and lean["state"]["step"] == 3
+    assert (tmp_path / "lean" / "state.safetensors").stat().st_size < (tmp_path / "state" / "state.safetensors").stat().st_size
+    tr5, opt5 = build(target.model, cfg_for(draft_vocab=0), None, lean)
+    assert all(torch.equal(a, b) for a, b in zip(tr2.model.state_dict().values(), tr5.model.state_dict().values()))
+    assert not opt5.state
+    train_step(tr5, opt5, batches[3], 3)
+    assert all(torch.isfinite(p).all() for p in tr5.model.parameters())
 
 
 def _write_data(target, folder, n_shards=2):
@@ -253,6 +263,18 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         args.steps = 27
         train_stage(args, tmp_path, log, target=target)
         assert [json.loads(x)["step"] for x in loss.read_text().splitlines()] == [25]
+        # A local checkpoint of another recipe (an older run on this machine) loses to the committed state,
+        # even when it is further along.
+        from training.train_loop import _resume_point
+
+        other = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
+        other["cfg"]["num_layers"] = 2
+        other["state"]["step"] = 1000
+        torch.save(other, tmp_path / "train" / "ckpt.pt")
+        assert _resume_point(tmp_path / "train", tmp_path / "state")["state"]["step"] == 27
+        other["cfg"]["num_layers"], other["cfg"]["steps"] = 1, 5000  # same recipe, longer horizon: the newer wins
+        torch.save(other, tmp_path / "train" / "ckpt.pt")
+        assert _resume_point(tmp_path / "train", tmp_path / "state")["state"]["step"] == 1000
         # A state whose two files disagree (an interrupted write) is refused, not half-loaded.
         body = json.loads((tmp_path / "state" / "state.json").read_text())
         body["state"]["step"] = 3

@@ -8,7 +8,8 @@ fresh seeded order; `make_batch` draws the anchors of each visit anew.
 State, two copies:
     out/train/ckpt.pt      exact (float32 everything), written every --ckpt-minutes: resume on this machine
     --state-dir            compact, meant for git (data/drafter-train by default): state.safetensors
-                           (float32 weights, AdamW moments in bfloat16, the anchor generator's state),
+                           (float32 weights, AdamW moments in bfloat16 while they fit STATE_MOMENTS_LIMIT,
+                           the anchor generator's state),
                            state.json (config, counters, sampler cursor), loss.jsonl and eval.jsonl
                            (the learning curve); written with every ckpt.pt
 On start the newer of the two is resumed (by step), else `--init` (an exported drafter),
@@ -254,27 +255,38 @@ def save_ckpt(path: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
     tmp.rename(path)
 
 
-def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict) -> None:
+#: The committed state keeps the AdamW moments only while it stays under this size (bytes): a
+#: 2-layer drafter's float32 weights are 32 MB and its bfloat16 moments another 32 MB.
+STATE_MOMENTS_LIMIT = 50_000_000
+
+
+def save_state(folder: Path, trainer: DrafterTrainer, opt, state: dict,
+               moments_limit: int = STATE_MOMENTS_LIMIT) -> None:
     """The compact resume point for git: float32 weights, AdamW moments in bfloat16, counters.
 
     Writes folder/state.safetensors and folder/state.json (each atomically, json last; both
     carry the step, and `load_state` refuses a pair that disagrees). `state`
     holds the counters, the sampler cursor and the anchor generator's state (a uint8 tensor
-    under "gen_state", stored in the safetensors file).
+    under "gen_state", stored in the safetensors file). When weights plus moments would exceed
+    `moments_limit` bytes the moments are left out: a resume then starts them from zero, and
+    AdamW's bias correction re-estimates them within a few tens of steps (betas 0.9 / 0.95).
     """
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in trainer.model.state_dict().items()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    moment_bytes = sum(2 * 2 * p.numel() for g in opt.param_groups for p in g["params"] if opt.state.get(p))
     steps = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st:
-                tensors[f"opt.{names[id(p)]}.exp_avg"] = st["exp_avg"].to(torch.bfloat16).contiguous()
-                tensors[f"opt.{names[id(p)]}.exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16).contiguous()
-                steps[names[id(p)]] = float(st["step"])
+    if weight_bytes + moment_bytes <= moments_limit:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if st:
+                    tensors[f"opt.{names[id(p)]}.exp_avg"] = st["exp_avg"].to(torch.bfloat16).contiguous()
+                    tensors[f"opt.{names[id(p)]}.exp_avg_sq"] = st["exp_avg_sq"].to(torch.bfloat16).contiguous()
+                    steps[names[id(p)]] = float(st["step"])
     meta = {k: v for k, v in state.items() if k != "gen_state"}
     if "gen_state" in state:
         tensors["gen_state"] = state["gen_state"]
@@ -389,9 +401,15 @@ def _truncate_log(path: Path, step: int) -> None:
 
 
 def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
-    """The newer (by step) of the exact local checkpoint and the committed compact state."""
+    """The newer (by step) of the exact local checkpoint and the committed compact state; the
+    committed one when their drafter configs differ (the local file is then another run's)."""
     local = torch.load(tdir / "ckpt.pt", weights_only=False) if (tdir / "ckpt.pt").exists() else None
     committed = load_state(state_dir)
+    def shape(ck: dict) -> dict:  # the run's recipe; the schedule horizon may grow between sessions
+        return {k: v for k, v in ck["cfg"].items() if k != "steps"}
+
+    if committed is not None and local is not None and shape(local) != shape(committed):
+        return committed
     if local is None or (committed is not None and committed["state"]["step"] > local["state"]["step"]):
         return committed
     return local
