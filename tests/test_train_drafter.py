@@ -337,3 +337,34 @@ def test_held_out_sequences_are_excluded_from_training_and_scored_by_validate(ta
     assert got["val_tau_est"] == pytest.approx(sum(tau) / 2, abs=1e-4)
     assert got["val_loss"] == pytest.approx(sum(loss) / 2, abs=1e-4)
     assert 1.0 <= got["val_tau_est"] <= 4.0
+
+
+def test_walk_replays_greedy_speculative_decoding_through_the_engine(target, records):
+    """walk_steps (teacher-forced, every anchor in one forward) gives the accepted count of each step
+    that chain decoding through engine.Engine takes on the record's prompt, and walk_tau their mean."""
+    from engine.engine import Engine, make_controller
+    from engine.sampling import SamplingParams
+    from training.train_loop import walk_steps, walk_tau
+
+    cfg = cfg_for(autocast=False, blocks=8, steps=80)
+    tr, opt = build(target.model, cfg, None, None)
+    gen = torch.Generator().manual_seed(0)
+    for s in range(80):  # enough training that some drafts are accepted
+        train_step(tr, opt, make_batch(records[s % 3: s % 3 + 3], cfg, gen), s)
+    tr.eval()
+    drafter = to_drafter(tr, target.model)
+    eng = Engine(target, drafter, make_controller("chain", 32, drafter.max_depth + 1))
+    total_walk = []
+    for rec in records:
+        pl, n = rec["prompt_len"], len(rec["ids"])
+        want = walk_steps(tr, rec)
+        res = eng.generate(rec["ids"][:pl].tolist(), SamplingParams(max_tokens=n - pl, ignore_eos=True))
+        assert res.token_ids == rec["ids"][pl:].tolist()  # the record is the target's greedy answer
+        got = [s.accepted for s in res.steps]
+        assert got[:-1] == want[:-1] and sum(got) <= sum(want)  # the last step may be cut at max_tokens
+        total_walk += want
+    assert max(total_walk) > 1  # the drafter was accepted somewhere: the replay was tested, not just AR
+    assert walk_tau(tr, records) == pytest.approx(sum(total_walk) / len(total_walk))
+    cut = records[0]["prompt_len"] + 5  # max_new decodes the first 5 response tokens of the record
+    short = {**records[0], "ids": records[0]["ids"][:cut], "features": records[0]["features"][:cut - 1]}
+    assert walk_steps(tr, records[0], max_new=5) == walk_steps(tr, short) and sum(walk_steps(tr, short)) >= 4

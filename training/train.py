@@ -161,7 +161,9 @@ class DrafterTrainer(nn.Module):
         return self.model.spec
 
     def forward(self, batch: dict) -> dict:
-        """Loss and metrics for a batch from `make_batch` (see module doc)."""
+        """Loss and metrics for a batch from `make_batch` (see module doc): loss, hard (and soft),
+        acc1 (position-1 top-1 accuracy), est_tau (1 + mean correct run of the in-sequence blocks),
+        correct (bool [b, nb, B-1]: the drafted token at block position k matches the data)."""
         cfg = self.cfg
         m = self.model
         B = cfg.block_size
@@ -215,7 +217,7 @@ class DrafterTrainer(nn.Module):
             full = avalid & in_seq.all(-1)  # blocks whose every label is inside the sequence
             run = torch.cumprod(correct.float(), dim=-1).sum(-1)  # accepted chain length per block
             est_tau = 1 + (run * full).sum() / full.sum().clamp(min=1)
-        out.update(loss=loss, hard=hard.detach(), acc1=acc1, est_tau=est_tau)
+        out.update(loss=loss, hard=hard.detach(), acc1=acc1, est_tau=est_tau, correct=correct)
         return out
 
 
