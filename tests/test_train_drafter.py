@@ -364,7 +364,10 @@ def test_walk_replays_greedy_speculative_decoding_through_the_engine(target, rec
         assert got[:-1] == want[:-1] and sum(got) <= sum(want)  # the last step may be cut at max_tokens
         total_walk += want
     assert max(total_walk) > 1  # the drafter was accepted somewhere: the replay was tested, not just AR
-    assert walk_tau(tr, records) == pytest.approx(sum(total_walk) / len(total_walk))
+    assert walk_tau(tr, records)[0] == pytest.approx(sum(total_walk) / len(total_walk))
+    short5 = [k for r in records for k in walk_steps(tr, r, max_new=5)]
+    assert walk_tau(tr, records, (None, 5)) == pytest.approx([sum(total_walk) / len(total_walk),
+                                                             sum(short5) / len(short5)])
     cut = records[0]["prompt_len"] + 5  # max_new decodes the first 5 response tokens of the record
     short = {**records[0], "ids": records[0]["ids"][:cut], "features": records[0]["features"][:cut - 1]}
     assert walk_steps(tr, records[0], max_new=5) == walk_steps(tr, short) and sum(walk_steps(tr, short)) >= 4

@@ -230,16 +230,16 @@ def validate(trainer: DrafterTrainer, data: TokenData, seed: int = 1, batch: int
         n += 1
     res = {k: round(v / n, 5) for k, v in sums.items()}
     if walk:
-        res["val_tau_walk"] = round(walk_tau(trainer, data.records(data.val_idx)), 5)
-        res["val_tau_walk64"] = round(walk_tau(trainer, data.records(data.val_idx), max_new=64), 5)
+        recs = data.records(data.val_idx)
+        res["val_tau_walk"], res["val_tau_walk64"] = (round(t, 5) for t in walk_tau(trainer, recs, (None, 64)))
     trainer.model.train(was_training)
     return res
 
 
 @torch.no_grad()
-def walk_tau(trainer: DrafterTrainer, records: list[dict], max_new: int | None = None) -> float:
+def walk_tau(trainer: DrafterTrainer, records: list[dict], horizons: tuple[int | None, ...] = (None,)) -> list[float]:
     """The chain tau greedy speculative decoding with the trainer's drafter reaches on `records`,
-    computed teacher-forced.
+    computed teacher-forced, for each horizon (new tokens decoded; None: the whole response).
 
     Each record is the target's greedy answer to its prompt, so speculative decoding of that
     prompt emits exactly these tokens: the block anchored at position a (the token the last
@@ -247,35 +247,48 @@ def walk_tau(trainer: DrafterTrainer, records: list[dict], max_new: int | None =
     token, and the next block is anchored at a + r + 1; the first anchor is the first response
     token (it comes from the prefill). One drafter forward per record drafts the blocks of every
     anchor at once (`DrafterTrainer.forward`, which a test shows equal to inference), then the walk
-    replays acceptance. max_new: decode only the first max_new response tokens. Returns accepted
-    tokens per step (bonus included) over all records, the engine's definition (docs/method.md).
+    replays acceptance. Returns, per horizon, accepted tokens per step (bonus included) over all
+    records: the engine's chain tau (docs/method.md).
     """
-    per_step = [k for rec in records for k in walk_steps(trainer, rec, max_new)]
-    return sum(per_step) / max(1, len(per_step))
+    per = [[] for _ in horizons]
+    for rec in records:
+        runs = _anchor_runs(trainer, rec)
+        for out, h in zip(per, horizons):
+            out += _replay(runs, int(rec["prompt_len"]), len(rec["ids"]), h)
+    return [sum(p) / max(1, len(p)) for p in per]
+
+
+def walk_steps(trainer: DrafterTrainer, rec: dict, max_new: int | None = None) -> list[int]:
+    """Tokens accepted at each step (bonus included) of `walk_tau`'s replay of one record."""
+    return _replay(_anchor_runs(trainer, rec), int(rec["prompt_len"]), len(rec["ids"]), max_new)
+
+
+def _replay(runs: list[int], pl: int, n: int, max_new: int | None) -> list[int]:
+    """Accepted tokens per step when decoding positions pl .. limit-1, given each anchor's run of
+    correct drafts (`runs[a - pl]`, counted inside the whole record)."""
+    limit = n if max_new is None else min(n, pl + max_new)
+    out, a = [], pl
+    while a < limit - 1:
+        out.append(min(runs[a - pl], limit - 1 - a) + 1)
+        a += out[-1]
+    return out
 
 
 @torch.no_grad()
-def walk_steps(trainer: DrafterTrainer, rec: dict, max_new: int | None = None) -> list[int]:
-    """Tokens accepted at each step (bonus included) of `walk_tau`'s replay of one record."""
-    cfg = trainer.cfg
+def _anchor_runs(trainer: DrafterTrainer, rec: dict) -> list[int]:
+    """For every anchor a = prompt_len .. n-2 of a record, the leading run of correct drafts of its block."""
     ids, pl = rec["ids"].long(), int(rec["prompt_len"])
     n = len(ids)
-    limit = n if max_new is None else min(n, pl + max_new)
-    if limit - 1 <= pl:
+    if n - 1 <= pl:
         return []
-    anchors = torch.arange(pl, limit - 1)[None]
+    anchors = torch.arange(pl, n - 1)[None]
     feats = torch.zeros((1, n, rec["features"].shape[-1]), dtype=torch.bfloat16)
     feats[0, : n - 1] = rec["features"]
-    b = {"ids": ids[None], "features": feats, "lens": torch.tensor([limit]), "anchors": anchors,
+    b = {"ids": ids[None], "features": feats, "lens": torch.tensor([n]), "anchors": anchors,
          "valid": torch.ones_like(anchors, dtype=torch.bool)}
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast):
-        correct = trainer(b)["correct"][0]  # [anchors, B-1], False past `limit`
-    runs = torch.cumprod(correct.int(), dim=-1).sum(-1).tolist()
-    out, a = [], pl
-    while a < limit - 1:
-        out.append(runs[a - pl] + 1)
-        a += out[-1]
-    return out
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.cfg.autocast):
+        correct = trainer(b)["correct"][0]  # [anchors, B-1], False past the record
+    return torch.cumprod(correct.int(), dim=-1).sum(-1).tolist()
 
 
 def export(trainer: DrafterTrainer, path: Path, dtype=torch.bfloat16) -> None:
