@@ -49,7 +49,7 @@ def add_arguments(parser) -> None:
                                                                   "(0: until --response-tokens)")
     # train
     parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=2, help="drafter layers (2: the ablation in docs/drafter.md)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="reduced output vocabulary (0: full)")
     parser.add_argument("--no-inject", action="store_true", help="disable the anchor-feature injection")
     parser.add_argument("--soft-weight", type=float, default=0.5, help="share of the soft-label distillation loss")

@@ -35,7 +35,7 @@ class TrainConfig:
     """Drafter shape and optimisation settings (stored in every checkpoint)."""
 
     block_size: int = 8
-    num_layers: int = 1
+    num_layers: int = 2
     intermediate_size: int | None = None  # None: the target's
     target_layer_ids: tuple[int, ...] = (1, 14, 27)
     mask_token_id: int = 16  # SmolLM2 '<empty_output>': a special token chat never uses
