@@ -221,8 +221,10 @@ class DrafterTrainer(nn.Module):
         return out
 
 
-def make_batch(seqs: list[dict], cfg: TrainConfig, gen: torch.Generator, soft: bool = True) -> dict:
-    """Pad `seqs` (right) and draw `cfg.blocks` anchors per sequence inside the response.
+def make_batch(seqs: list[dict], cfg: TrainConfig, gen: torch.Generator, soft: bool = True,
+               anchors: torch.Tensor | None = None) -> dict:
+    """Pad `seqs` (right) and draw `cfg.blocks` anchors per sequence inside the response
+    (or take `anchors`, int64 [len(seqs), nb], all valid, when given).
 
     Anchors a satisfy prompt_len <= a <= T-2 (at least one label); drawn without
     replacement where the response is long enough. Returns tensors for DrafterTrainer.
@@ -233,9 +235,10 @@ def make_batch(seqs: list[dict], cfg: TrainConfig, gen: torch.Generator, soft: b
     ids = torch.zeros((b, T), dtype=torch.long)
     feats = torch.zeros((b, T, D), dtype=torch.bfloat16)
     lens = torch.zeros(b, dtype=torch.long)
-    nb = cfg.blocks
-    anchors = torch.ones((b, nb), dtype=torch.long)
-    valid = torch.zeros((b, nb), dtype=torch.bool)
+    given = anchors
+    nb = cfg.blocks if given is None else given.shape[1]
+    anchors = torch.ones((b, nb), dtype=torch.long) if given is None else given.clone()
+    valid = torch.full((b, nb), given is not None, dtype=torch.bool)
     K = seqs[0]["top_ids"].shape[-1] if soft and "top_ids" in seqs[0] else 0
     if K:
         top_ids = torch.zeros((b, T, K), dtype=torch.int32)
@@ -249,7 +252,7 @@ def make_batch(seqs: list[dict], cfg: TrainConfig, gen: torch.Generator, soft: b
             top_ids[i, pl - 1 : n - 1] = s["top_ids"][: n - pl]
             top_lp[i, pl - 1 : n - 1] = s["top_lp"][: n - pl]
         cand = n - 1 - pl  # anchors pl .. n-2
-        if cand <= 0:
+        if given is not None or cand <= 0:
             continue
         if cand >= nb:
             a = torch.randperm(cand, generator=gen)[:nb] + pl

@@ -281,11 +281,7 @@ def _anchor_runs(trainer: DrafterTrainer, rec: dict) -> list[int]:
     n = len(ids)
     if n - 1 <= pl:
         return []
-    anchors = torch.arange(pl, n - 1)[None]
-    feats = torch.zeros((1, n, rec["features"].shape[-1]), dtype=torch.bfloat16)
-    feats[0, : n - 1] = rec["features"]
-    b = {"ids": ids[None], "features": feats, "lens": torch.tensor([n]), "anchors": anchors,
-         "valid": torch.ones_like(anchors, dtype=torch.bool)}
+    b = make_batch([rec], trainer.cfg, None, soft=False, anchors=torch.arange(pl, n - 1)[None])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.cfg.autocast):
         correct = trainer(b)["correct"][0]  # [anchors, B-1], False past the record
     return torch.cumprod(correct.int(), dim=-1).sum(-1).tolist()
