@@ -19,7 +19,7 @@ from engine.forward import TREE_HEADROOM, Segment, target_forward_for
 from engine.acceptance import Acceptance, accept_batch
 from engine.timing import StepClock
 from engine.tree_buffers import TreeBufferPool
-from engine.verifier import VerifyOutput, verify_batch
+from engine.verifier import PrefillChunk, VerifyOutput, verify_and_prefill
 
 #: Modes whose controller is a fixed stopping policy (the adaptive one lives in controller/).
 FIXED_MODES = ("ar", "chain", "tree")
@@ -331,27 +331,46 @@ class Engine:
         chunk the first token is picked and committed: returns that event (also `seq.pending`);
         None while prompt tokens remain. On an error the slot is released and the error raised.
         Raises ValueError when the sequence is released or already prefilled, or max_tokens < 1.
+        (`step_mixed` runs such chunks inside a decoding step of other sequences.)
         """
-        if seq.slot < 0 or seq.root >= 0:
-            raise ValueError("prefill_step needs a sequence from begin() that is still prefilling")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        chunk = self._prefill_chunk(seq, max_tokens)
         feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
-        start = seq.prefilled
-        end = min(start + max_tokens, len(seq.prompt_ids))
-        dev = self.model.device
         try:
             with torch.inference_mode():
-                ids = torch.tensor(seq.prompt_ids[start:end], dtype=torch.long, device=dev)
-                logits, feats = self.forward(self.pool, ids, torch.arange(start, end, device=dev),
-                                             [Segment(seq.slot, start, end - start)], feature_layers, last_only=True,
-                                             backend=self.backend)
+                logits, feats = self.forward(self.pool, chunk.tokens,
+                                             torch.arange(chunk.start, chunk.start + len(chunk.tokens),
+                                                          device=self.model.device),
+                                             [Segment(seq.slot, chunk.start, len(chunk.tokens))], feature_layers,
+                                             last_only=True, backend=self.backend)
+        except BaseException:
+            self.release(seq)
+            raise
+        return self._prefill_done(seq, chunk, VerifyOutput(logits, feats))
+
+    def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> PrefillChunk:
+        """The next chunk of a prefilling sequence's prompt (at most max_tokens tokens). Raises
+        ValueError when the sequence is released or already prefilled, or max_tokens < 1."""
+        if seq.slot < 0 or seq.root >= 0:
+            raise ValueError("prefill needs a sequence from begin() that is still prefilling")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        end = min(seq.prefilled + max_tokens, len(seq.prompt_ids))
+        ids = torch.tensor(seq.prompt_ids[seq.prefilled:end], dtype=torch.long, device=self.model.device)
+        return PrefillChunk(seq.slot, seq.prefilled, ids)
+
+    def _prefill_done(self, seq: Sequence, chunk: PrefillChunk, out: VerifyOutput) -> GenerationEvent | None:
+        """After a chunk's forward: hand its features to the drafter; after the prompt's last
+        chunk pick and commit the first token (the returned event, also `seq.pending`), else None.
+        On an error the slot is released and the error raised."""
+        end = chunk.start + len(chunk.tokens)
+        try:
+            with torch.inference_mode():
                 if self.drafter is not None:
-                    self.drafter.extend(seq.drafter_state, seq.prompt_ids[start:end], feats)
+                    self.drafter.extend(seq.drafter_state, seq.prompt_ids[chunk.start:end], out.features)
                 seq.prefilled = end
                 if end < len(seq.prompt_ids):
                     return None
-                seq.root = select_token(logits[0], seq.params, seq.generator)
+                seq.root = select_token(out.logits[0], seq.params, seq.generator)
         except BaseException:
             self.release(seq)
             raise
@@ -464,8 +483,14 @@ class Engine:
             plans[r] = (tree, drafted and r in proposals, has and not drafted)
         return plans
 
-    @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence]) -> list[GenerationEvent | Exception]:
+        """One decoding step for several running sequences: `step_mixed` without prompt chunks
+        (see there for what is returned and raised)."""
+        return self.step_mixed(seqs, ())[0]
+
+    @torch.inference_mode()
+    def step_mixed(self, seqs: list[Sequence], prefills: "list[tuple[Sequence, int]] | tuple[()]" = ()
+                   ) -> tuple[list[GenerationEvent | Exception], list[GenerationEvent | None | Exception]]:
         """One decoding step for several running sequences, their trees verified in one forward.
 
         Each sequence drafts and builds its own tree; one target forward then carries every tree
@@ -477,10 +502,24 @@ class Engine:
         sequence is released and the others go on. An error of the shared forward is raised. Phase
         times in each StepStats are the batch's (shared); the controller observes steps only
         when one sequence ran, since its latency model prices one tree per forward.
-        Raises ValueError when a sequence appears twice, is still prefilling or has finished.
+
+        prefills: (sequence from `begin`, max tokens) pairs whose next prompt chunk rides in the
+        same forward (`prefill_step`'s work, docs/engine.md "Prefill inside a step"): the step's
+        running sequences then wait for no separate prefill forward. Returns (the running
+        sequences' results as above; per prefill its first-token event once its prompt is done,
+        None while prompt tokens remain, or the exception its own work raised, its slot then
+        released). A step that carries prompt chunks is not shown to the controller: its time
+        is not a tree's. An error of the shared forward releases the chunks' sequences too.
+        Raises ValueError when a sequence appears twice, a running one is still prefilling or has
+        finished, or a prefill's sequence is not prefilling (nothing is run or held then).
         """
-        if len({id(s) for s in seqs}) != len(seqs) or any(s.slot < 0 or s.root < 0 or s.finish_reason for s in seqs):
+        pre = [s for s, _ in prefills]
+        if len({id(s) for s in list(seqs) + pre}) != len(seqs) + len(pre) or \
+                any(s.slot < 0 or s.root < 0 or s.finish_reason for s in seqs):
             raise ValueError("step_batch needs distinct running sequences (prefilled, not finished)")
+        chunks = [self._prefill_chunk(s, n) for s, n in prefills]
+        if not seqs:
+            return [], self._prefill_only(pre, chunks)
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
         clock = self._clock
@@ -494,11 +533,19 @@ class Engine:
         device_trees = {r: self._batch_buffers[i].load(plans[r][0], seqs[r].prefix_len) for i, r in enumerate(live)}
         clock.mark()
         verified = {}
-        if live:
-            outs = verify_batch(self.forward, self.pool, [seqs[r].slot for r in live],
-                                [device_trees[r] for r in live], feature_layers, backend=self.backend)
+        chunk_outs = []
+        if live or chunks:
+            try:
+                outs, chunk_outs = verify_and_prefill(self.forward, self.pool, [seqs[r].slot for r in live],
+                                                      [device_trees[r] for r in live], chunks, feature_layers,
+                                                      backend=self.backend)
+            except BaseException:
+                for s in pre:
+                    self.release(s)
+                raise
             verified = dict(zip(live, outs))
         clock.mark()
+        prefilled = [self._prefill_guarded(s, c, o) for s, c, o in zip(pre, chunks, chunk_outs)]
         accepted = accept_batch([plans[r][0] for r in live], [device_trees[r] for r in live],
                                 [verified[r].logits for r in live], [seqs[r].params for r in live],
                                 [seqs[r].generator for r in live], [self._uniforms(seqs[r]) for r in live])
@@ -533,11 +580,33 @@ class Engine:
             observed.append((stats, tree, seq.control))
         if live:
             self.accounting.record_forward([plans[r][0].size for r in live])
+        if chunks:  # the step's time includes prompt tokens: not what the controller's model prices
+            return events, prefilled
         if len(live) == 1 and observed:
             self.controller.observe(*observed[0][:2])
         elif len(observed) > 1:
             self.controller.observe_batch(*(list(col) for col in zip(*observed)))
-        return events
+        return events, prefilled
+
+    def _prefill_guarded(self, seq: Sequence, chunk: PrefillChunk, out: VerifyOutput
+                         ) -> GenerationEvent | None | Exception:
+        try:
+            return self._prefill_done(seq, chunk, out)
+        except Exception as e:  # noqa: BLE001 - this sequence's failure (its slot is released)
+            return e
+
+    def _prefill_only(self, seqs: list[Sequence], chunks: list[PrefillChunk]) -> list[GenerationEvent | None | Exception]:
+        """Several sequences' prompt chunks in one forward, no running sequence beside them."""
+        if not chunks:
+            return []
+        feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
+        try:
+            _, outs = verify_and_prefill(self.forward, self.pool, [], [], chunks, feature_layers, backend=self.backend)
+        except BaseException:
+            for s in seqs:
+                self.release(s)
+            raise
+        return [self._prefill_guarded(s, c, o) for s, c, o in zip(seqs, chunks, outs)]
 
     def _uniforms(self, seq: Sequence) -> tuple[UniformStream, int] | None:
         """(the sequence's UniformStream, its next output position) when its sampling draws every

@@ -179,6 +179,7 @@ class TargetForward:
             kept[0] = x
         cos = self.cos[positions][:, None]  # [N, 1, d]
         sin = self.sin[positions][:, None]
+        write = self._write_index(segments) if len(segments) > 1 else None
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h).view(N, hq + 2 * hkv, d)
@@ -189,13 +190,17 @@ class TargetForward:
             else:  # one rotation over the q and k heads together
                 qk = self._rope(qkv[:, :hq + hkv], cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
+            if write is not None:  # every segment's new rows in one scatter per tensor
+                pool.keys[i].index_put_(write, k)
+                pool.values[i].index_put_(write, v)
             outs = []
             row = 0
             for s, (all_keys, all_values) in zip(segments, views):
                 end = row + s.n
                 keys, values = all_keys[i], all_values[i]
-                keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
-                values[:, s.start:].copy_(v[row:end].transpose(0, 1))
+                if write is None:
+                    keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
+                    values[:, s.start:].copy_(v[row:end].transpose(0, 1))
                 qs = q[row:end].transpose(0, 1)[None]
                 if s.tree is None:
                     o = causal_attention(qs, keys[None], values[None], self.scale)
@@ -221,6 +226,18 @@ class TargetForward:
         logits = self.lm_head(x)
         feats = torch.cat([kept[j] for j in feature_layers], dim=-1) if feature_layers else None
         return logits, feats
+
+
+    def _write_index(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Indices (slot [N, 1], head [1, h_kv], position [N, 1]) that scatter the N new rows'
+        keys [N, h_kv, d] into one layer's [slots, h_kv, capacity, d] pool tensor."""
+        slots, pos = [], []
+        for s in segments:
+            slots += [s.slot] * s.n
+            pos += range(s.start, s.start + s.n)
+        dev = self.device
+        return (torch.tensor(slots, device=dev)[:, None], torch.arange(self.hkv, device=dev)[None],
+                torch.tensor(pos, device=dev)[:, None])
 
 
 _FORWARDS: dict[int, tuple[object, TargetForward]] = {}

@@ -1,6 +1,7 @@
 """Tree verification: one target forward over the tree, and lossless sampling acceptance."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,19 @@ class VerifyOutput:
     features: torch.Tensor | None
 
 
+@dataclass
+class PrefillChunk:
+    """A piece of a prompt that rides along in a verification forward.
+
+    slot: the sequence's KV slot; start: prompt tokens already in it (the chunk's keys go to
+    [start, start + n)); tokens: [n] int64 on the model's device.
+    """
+
+    slot: int
+    start: int
+    tokens: torch.Tensor
+
+
 @torch.inference_mode()
 def verify_batch(forward: TargetForward, pool: KVPool, slots: list[int], device_trees: list[DeviceTree],
                  feature_layers: tuple[int, ...], backend: str = "sdpa") -> list[VerifyOutput]:
@@ -37,20 +51,54 @@ def verify_batch(forward: TargetForward, pool: KVPool, slots: list[int], device_
     Returns one VerifyOutput per tree (logits [n_r, V], features [n_r, F] or None), views of
     the batch's. Raises CacheCapacityError (engine.kv_cache) when a tree does not fit its slot.
     """
+    return verify_and_prefill(forward, pool, slots, device_trees, (), feature_layers, backend)[0]
+
+
+@torch.inference_mode()
+def verify_and_prefill(forward: TargetForward, pool: KVPool, slots: list[int], device_trees: list[DeviceTree],
+                       prefills: "list[PrefillChunk] | tuple[()]", feature_layers: tuple[int, ...],
+                       backend: str = "sdpa") -> tuple[list[VerifyOutput], list[VerifyOutput]]:
+    """`verify_batch`, with prompt chunks of other sequences in the same forward (docs/engine.md,
+    "Prefill inside a step"): the linears read the weights once for the trees' nodes and the
+    chunks' tokens together; each chunk attends causally to its own slot.
+
+    Returns (one VerifyOutput per tree, as verify_batch; one per chunk with the logits of its
+    last token [1, V] and the features of all its tokens [n, F] or None).
+    Raises CacheCapacityError (engine.kv_cache) when a tree or a chunk does not fit its slot,
+    ValueError for an empty chunk.
+    """
+    if any(int(p.tokens.shape[0]) < 1 for p in prefills):
+        raise ValueError("a prefill chunk needs at least one token")
     segments = [Segment(slot, dt.prefix_len, dt.size, dt.attention() if dt.size > 1 else None)
                 for slot, dt in zip(slots, device_trees)]
-    if len(device_trees) == 1:
-        tokens, positions = device_trees[0].tokens, device_trees[0].position_ids[0]
+    segments += [Segment(p.slot, p.start, int(p.tokens.shape[0])) for p in prefills]
+    dev = forward.device
+    token_parts = [dt.tokens for dt in device_trees] + [p.tokens for p in prefills]
+    position_parts = [dt.position_ids[0] for dt in device_trees]
+    position_parts += [torch.arange(p.start, p.start + int(p.tokens.shape[0]), device=dev) for p in prefills]
+    if len(token_parts) == 1:
+        tokens, positions = token_parts[0], position_parts[0]
     else:
-        tokens = torch.cat([dt.tokens for dt in device_trees])
-        positions = torch.cat([dt.position_ids[0] for dt in device_trees])
-    logits, feats = forward(pool, tokens, positions, segments, feature_layers, backend=backend)
+        tokens, positions = torch.cat(token_parts), torch.cat(position_parts)
+    n_tree = sum(dt.size for dt in device_trees)
+    logit_rows = None
+    if prefills:  # every tree node's logits, only each chunk's last token's
+        lasts = list(itertools.accumulate(int(p.tokens.shape[0]) for p in prefills))
+        logit_rows = torch.tensor(list(range(n_tree)) + [n_tree + e - 1 for e in lasts], device=dev)
+    logits, feats = forward(pool, tokens, positions, segments, feature_layers, backend=backend,
+                            logit_rows=logit_rows)
     outs, row = [], 0
     for dt in device_trees:
         end = row + dt.size
         outs.append(VerifyOutput(logits=logits[row:end], features=None if feats is None else feats[row:end]))
         row = end
-    return outs
+    chunk_outs = []
+    for j, p in enumerate(prefills):
+        end = row + int(p.tokens.shape[0])
+        chunk_outs.append(VerifyOutput(logits=logits[n_tree + j:n_tree + j + 1],
+                                       features=None if feats is None else feats[row:end]))
+        row = end
+    return outs, chunk_outs
 
 
 def verify(forward: TargetForward, pool: KVPool, slot: int, device_tree: DeviceTree,

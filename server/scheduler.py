@@ -6,14 +6,15 @@ iterator over the request's `GenerationEvent`s fed from the worker thread; leavi
 early (or closing it) cancels the request. The worker
 thread builds the engine (so loading never blocks the loop), times a one-token forward
 for the speedup estimate, then loops: admit waiting requests in arrival order up to
-`max_running`, and advance every running sequence together by one `engine.step_batch`
+`max_running`, and advance every running sequence together by one `engine.step_mixed`
 (one target forward carries every running sequence's tree, each in its own KV slot; the
 adaptive controller sizes all the trees under one global budget). With `max_running=1`
 requests are decoded one at a time in arrival order. A newly admitted request takes its KV
-slot at once and is prefilled in chunks: each loop prefills at most `prefill_chunk` prompt
-tokens (oldest request first) before the running sequences' step, so a long prompt delays
-them by one chunk per step, not by its whole prefill. A request joins the batch after its
-prefill and leaves it when it finishes.
+slot at once and is prefilled in chunks: each loop's forward also carries at most
+`prefill_chunk` prompt tokens (oldest request first), so a long prompt delays the running
+sequences by one chunk's compute per step, not by its whole prefill, and no step waits for a
+separate prefill forward. A request joins the batch after its prefill and leaves it when it
+finishes.
 
 Admission counts live requests only: at most `max_running + max_queue` requests are
 admitted or waiting at once (so `max_queue=0` means "no waiting room", not "refuse all").
@@ -228,10 +229,10 @@ class Scheduler:
     engine_factory: called once on the worker thread; returns the Engine.
     max_queue: requests allowed to wait beyond the `max_running` being decoded (submit
     raises QueueFullError beyond `max_running + max_queue` live requests).
-    max_running: sequences decoded together (one `engine.step_batch` per loop).
-    prefill_chunk: prompt tokens prefilled per loop, across the requests still prefilling (a
-    long prompt is prefilled in chunks between the running sequences' steps, so it delays
-    them by at most one chunk per step).
+    max_running: sequences decoded together (one `engine.step_mixed` per loop).
+    prefill_chunk: prompt tokens prefilled per loop, across the requests still prefilling, in
+    the same forward as the running sequences' step (a long prompt delays them by at most one
+    chunk per step).
     metrics: ServerMetrics to update (None: no metrics).
     history: how many FinishedRequest records `recent` keeps (for tests and debugging).
     stall_timeout: seconds a client may leave delivered events unread before its request is
@@ -478,14 +479,15 @@ class Scheduler:
                     elif all(req is not a for a in admitted):
                         batch.append(req)
             budget = self.prefill_chunk
+            chunks = []
             for req in prefilling:  # FIFO: the oldest prompt first, one chunk's worth of tokens in all
                 if budget <= 0:
                     break
                 n = min(budget, len(req.prompt_ids) - req.seq.prefilled)
                 budget -= n
-                self._guarded(lambda r, n=n: self._prefill_chunk(r, n), req)
-            if batch:
-                self._step_batch(batch)
+                chunks.append((req, n))
+            if batch or chunks:
+                self._step(batch, chunks)
             with self._cv:
                 self._running = [r for r in self._running if r.finish_reason is None]
                 self._gauges()
@@ -517,34 +519,23 @@ class Scheduler:
             log.exception("admission failed for %s", req.request_id)
             self._fail(req, self._internal(req))
 
-    def _prefill_chunk(self, req: EngineRequest, n: int) -> None:
-        """Prefill the next n prompt tokens; after the last chunk deliver the first token."""
-        try:
-            ev = self.engine.prefill_step(req.seq, n)
-        except Exception:  # noqa: BLE001 - one request's failure must not stop the worker
-            log.exception("prefill failed for %s", req.request_id)
-            self._fail(req, self._internal(req))
-            return
-        if ev is None:
-            return
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(req.prompt_ids))
-        self._deliver(req, ev)
-
     def _cancel_running(self, req: EngineRequest) -> None:
         self._finish(req, "cancelled", GenerationEvent([], req.seq.detok.release(final=True), "cancelled"))
 
-    def _step_batch(self, reqs: list[EngineRequest]) -> None:
-        """One engine step for every running request at once (their trees in one forward).
+    def _step(self, reqs: list[EngineRequest], chunks: list[tuple[EngineRequest, int]]) -> None:
+        """One engine step for every running request at once (their trees in one forward), with the
+        next prompt chunk of each request in `chunks` (request, tokens) in the same forward; a
+        request whose prompt is done gets its first token.
 
         A request whose own work failed gets its error (HTTP 500) and the others go on; a
         failure of the shared step fails the requests of that step only, never the worker.
         """
         try:
-            outs = self.engine.step_batch([req.seq for req in reqs])
+            outs, firsts = self.engine.step_mixed([req.seq for req in reqs], [(req.seq, n) for req, n in chunks])
         except Exception:  # noqa: BLE001
-            log.exception("decoding step failed for %s", ", ".join(r.request_id for r in reqs))
-            for req in reqs:
+            everyone = reqs + [req for req, _ in chunks]
+            log.exception("decoding step failed for %s", ", ".join(r.request_id for r in everyone))
+            for req in everyone:
                 if req.finish_reason is None:
                     self._fail(req, self._internal(req))
             return
@@ -555,6 +546,14 @@ class Scheduler:
                 continue
             req.steps.append(out.step)
             self._guarded(lambda r, ev=out: self._deliver(r, ev), req)
+        for (req, _), ev in zip(chunks, firsts):
+            if isinstance(ev, Exception):
+                log.error("prefill failed for %s", req.request_id, exc_info=ev)
+                self._fail(req, self._internal(req))
+            elif ev is not None:  # the prompt is done: its first token
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(req.prompt_ids))
+                self._guarded(lambda r, e=ev: self._deliver(r, e), req)
 
     @staticmethod
     def _internal(req: EngineRequest) -> RequestFailed:

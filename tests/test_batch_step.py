@@ -23,11 +23,12 @@ class PromptOracle(OracleDrafter):
         self.references = references
 
     def new_state(self):
-        return {"n": 0, "ref": None}
+        return {"n": 0, "ref": None, "seen": []}
 
     def extend(self, state, token_ids, features):
-        if state["ref"] is None:
-            state["ref"] = self.references[tuple(token_ids)]
+        if state["ref"] is None:  # the prompt may come in chunks: no test prompt is a prefix of another
+            state["seen"] += list(token_ids)
+            state["ref"] = self.references.get(tuple(state["seen"]))
         state["n"] += len(token_ids)
 
     def propose(self, state, root, max_depth):
@@ -246,6 +247,72 @@ def test_chunked_prefill_beside_running_sequences_equals_alone(target, alone):
             if ev.finish_reason is not None:
                 del live[i]
     assert outs[0] == alone[0] and outs[3] == alone[3]
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 1), ("tree", 8)])
+def test_prompt_chunks_inside_decoding_steps_equal_alone(target, alone, mode, budget):
+    """Prompts prefilled 3 tokens at a time inside the running sequences' steps (step_mixed: one
+    forward for the trees and the chunks) decode exactly as when each is served alone."""
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+    drafter = None if mode == "ar" else PromptOracle(refs, decoy_every=3)
+    eng = Engine(target, drafter, make_controller(mode, budget))
+    live = {i: eng.start(PROMPTS[i], SamplingParams(max_tokens=N)) for i in (0, 2)}
+    outs = {i: list(s.pending.token_ids) for i, s in live.items()}
+    filling = {i: eng.begin(PROMPTS[i], SamplingParams(max_tokens=N)) for i in (1, 3)}
+    mixed_steps = 0
+    while live or filling:
+        order, pre = sorted(live), sorted(filling)
+        events, firsts = eng.step_mixed([live[i] for i in order], [(filling[i], 3) for i in pre])
+        mixed_steps += bool(order and pre)
+        for i, ev in zip(order, events):
+            outs[i].extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                del live[i]
+        for i, ev in zip(pre, firsts):
+            if ev is not None:  # prompt done: the first token, and the sequence decodes from the next step
+                outs[i] = list(ev.token_ids)
+                live[i] = filling.pop(i)
+    assert mixed_steps >= 3  # PROMPTS[3] (10 tokens) took 4 chunks, all beside running sequences
+    assert [outs[i] for i in range(len(PROMPTS))] == alone
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_several_prompts_prefilled_in_one_forward_equal_alone(target, alone):
+    """step_mixed with no running sequence prefills several prompts in one forward."""
+    eng = Engine(target)
+    seqs = {i: eng.begin(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS)}
+    events, firsts = eng.step_mixed([], [(seqs[i], 64) for i in sorted(seqs)])
+    assert events == [] and all(ev is not None for ev in firsts)
+    outs, errors = step_all(eng, seqs)
+    assert not errors and [outs[i] for i in range(len(PROMPTS))] == alone
+    with pytest.raises(ValueError, match="distinct"):
+        seq = eng.begin(PROMPTS[0], SamplingParams(max_tokens=N))
+        eng.step_mixed([], [(seq, 2), (seq, 2)])
+    eng.release(seq)
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
+def test_a_prompt_chunk_that_fails_fails_only_its_sequence(target, alone):
+    """A drafter that fails on one prompt's chunk inside a step: that sequence gets its error and
+    its slot back; the running sequences' outputs are exact."""
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+
+    class FailsOnAPrompt(PromptOracle):
+        def extend(self, state, token_ids, features):
+            if list(token_ids[:2]) == PROMPTS[1][:2]:
+                raise RuntimeError("drafter bug")
+            super().extend(state, token_ids, features)
+
+    eng = Engine(target, FailsOnAPrompt(refs, decoy_every=3), make_controller("tree", 8))
+    live = {0: eng.start(PROMPTS[0], SamplingParams(max_tokens=N))}
+    first = list(live[0].pending.token_ids)
+    bad = eng.begin(PROMPTS[1], SamplingParams(max_tokens=N))
+    events, firsts = eng.step_mixed([live[0]], [(bad, 4)])
+    assert isinstance(firsts[0], RuntimeError) and "drafter bug" in str(firsts[0]) and bad.slot < 0
+    outs, errors = step_all(eng, live)  # starts from the pending first token again
+    assert not errors
+    assert first + events[0].token_ids + outs[0][len(first):] == alone[0]
     assert eng.pool.free_slots == eng.pool.num_slots
 
 

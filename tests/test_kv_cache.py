@@ -145,7 +145,8 @@ def test_choose_dtype_for_a_server_times_its_batched_step(monkeypatch):
     seen.clear()
     served, costs = timing.choose_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, sizes=(1, 4), context=8,
                                         repeats=1, batch=4)
-    assert served == torch.float32 and costs["bfloat16"] > costs["float32"] + 3.0
+    # +5 s for the batch against +2 s for the single trees: 3 s apart, up to the real timings
+    assert served == torch.float32 and costs["bfloat16"] > costs["float32"] + 2.5
     assert ("torch.float32", 4, 1) in seen and ("torch.bfloat16", 4, 1) in seen
 
 

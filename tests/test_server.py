@@ -355,13 +355,14 @@ def test_full_queue_is_429_with_retry_after(live, monkeypatch):
     # Hold the worker inside its first decode step so that A surely occupies the one slot (A could
     # otherwise reach EOS before B arrives on a fast machine).
     release = threading.Event()
-    step_batch = live.engine.step_batch
+    step_mixed = live.engine.step_mixed
 
-    def held_step_batch(seqs):
-        release.wait(60)
-        return step_batch(seqs)
+    def held_step(seqs, prefills=()):
+        if seqs:  # a decoding step, not A's prefill
+            release.wait(60)
+        return step_mixed(seqs, prefills)
 
-    monkeypatch.setattr(live.engine, "step_batch", held_step_batch)
+    monkeypatch.setattr(live.engine, "step_mixed", held_step)
     body = chat_body("Tell me a long story about a dragon.", max_tokens=200, stream=True)
     try:
         with httpx.Client(base_url=live.url, timeout=120, headers=AUTH) as a, \
@@ -393,11 +394,15 @@ def test_full_queue_is_429_with_retry_after(live, monkeypatch):
 def test_engine_failure_is_500_without_trace_and_server_survives(live, monkeypatch):
     live.wait_idle()
 
-    def broken_step(seqs):
-        raise RuntimeError("secret internal detail")
+    step_mixed = live.engine.step_mixed
+
+    def broken_step(seqs, prefills=()):
+        if seqs:  # decoding steps fail; a prompt alone is still prefilled (its first token streams)
+            raise RuntimeError("secret internal detail")
+        return step_mixed(seqs, prefills)
 
     errors_before = live.metric("bastion_requests_total", finish_reason="error")
-    monkeypatch.setattr(live.engine, "step_batch", broken_step)
+    monkeypatch.setattr(live.engine, "step_mixed", broken_step)
     r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
     assert r.status_code == 500
     err = r.json()["error"]
@@ -413,7 +418,10 @@ def test_engine_failure_is_500_without_trace_and_server_survives(live, monkeypat
     assert live.metric("bastion_requests_total", finish_reason="error") == errors_before + 2
     monkeypatch.undo()
     # A bug in the scheduler's own bookkeeping fails that request only; the worker keeps serving.
-    monkeypatch.setattr(live.scheduler, "_deliver", lambda req, ev: broken_step(None))
+    def broken_deliver(req, ev):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(live.scheduler, "_deliver", broken_deliver)
     r = httpx.post(f"{live.url}{C}", json=chat_body("Say hi"), headers=AUTH, timeout=120)
     assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
     monkeypatch.undo()

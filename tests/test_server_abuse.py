@@ -106,8 +106,9 @@ class FakeEngine:
     def reserve_slots(self, slots: int) -> None:
         self.reserved.append(slots)
 
-    def step_batch(self, seqs):
-        return [self.step(seq) for seq in seqs]
+    def step_mixed(self, seqs, prefills=()):
+        firsts = [self.prefill_step(seq, n) for seq, n in prefills]
+        return [self.step(seq) for seq in seqs], firsts
 
     def step(self, seq):
         time.sleep(self.step_s)
