@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -41,6 +42,22 @@ from controller.surrogate import SurrogateCalibrator, depth_mass
 from drafting.proposal import Proposal
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestGates:
+    """One request's own gates, kept in its engine Sequence (`BudgetController.sequence_state`).
+
+    batch: arms draft and plain, judged by the request's marginal gain inside batched steps
+    (docs/method.md, section 9). solo: arms draft, cheap and plain for the steps it runs alone,
+    created at its first such step from the controller's shared gate, whose averages count as
+    one sample each (docs/method.md, section 8): the request's own first sample of an arm then
+    weighs half, so a prompt on which an arm stops paying turns it down within a few steps,
+    while the shared gate, which every request's steps feed, keeps what holds across requests.
+    """
+
+    batch: SpeculationGate
+    solo: SpeculationGate | None = None
 
 
 class BudgetController:
@@ -159,24 +176,40 @@ class BudgetController:
             self._costs_key = (context_len, model)
         return self._costs
 
-    def policy_for_step(self, context_len: int) -> AdaptivePolicy:
+    def policy_for_step(self, context_len: int, state: RequestGates | None = None) -> AdaptivePolicy:
         """The stopping policy for a step whose target cache holds context_len tokens. Its fixed
         time is T_draft + T_other when the gate's choice is the full draft, T_other alone when it
-        is the drafter's free proposal (which costs no drafter pass)."""
+        is the drafter's free proposal (which costs no drafter pass). state: the request's
+        `sequence_state` (its own gate decides; None: the shared gate)."""
         st = self.settings
-        draft_s = self.t_draft if self.gate.choice() == "draft" else 0.0
+        draft_s = self.t_draft if self.solo_gate(state).choice() == "draft" else 0.0
         return AdaptivePolicy(self.verify_costs(context_len), draft_s + self.t_other,
                               st.min_nodes, st.max_nodes, st.bucket, st.top_k)
 
-    def should_draft(self, batch_size: int = 1) -> bool:
+    def should_draft(self, batch_size: int = 1, state: RequestGates | None = None) -> bool:
         """False when the full drafter is not this step's choice at this batch size (the gate's best
-        arm, or the arm it explores)."""
-        return self.gate_for(batch_size).should_draft()
+        arm, or the arm it explores). A single sequence's step asks its own gate (state: its
+        `sequence_state`; None: the shared gate); a batched step the batch-size class's."""
+        return self._deciding_gate(batch_size, state).should_draft()
 
-    def allow_cheap(self, batch_size: int = 1) -> bool:
+    def allow_cheap(self, batch_size: int = 1, state: RequestGates | None = None) -> bool:
         """On a step that does not draft: True when the drafter's free proposals are the choice
         (their trees still cost verification, so they are judged like drafts)."""
-        return self.gate_for(batch_size).choice() == "cheap"
+        return self._deciding_gate(batch_size, state).choice() == "cheap"
+
+    def _deciding_gate(self, batch_size: int, state: RequestGates | None) -> SpeculationGate:
+        return self.solo_gate(state) if batch_size <= 1 else self.gate_for(batch_size)
+
+    def solo_gate(self, state: RequestGates | None = None) -> SpeculationGate:
+        """The gate that decides a single sequence's step: the request's own (created from the
+        shared gate at its first such step, see RequestGates), or the shared gate without a state."""
+        if state is None:
+            return self.gate
+        if state.solo is None:
+            alpha, every, arms = self._gate_proto
+            state.solo = SpeculationGate(alpha, every, arms)
+            state.solo.inherit(self.gate)
+        return state.solo
 
     def gate_for(self, batch_size: int) -> SpeculationGate:
         """The gate of a batch-size class: `gate` for 1, else one per power-of-two ceiling of
@@ -193,20 +226,23 @@ class BudgetController:
         return gate
 
     def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, tokens: float,
-                    length: float | None) -> None:
+                    length: float | None, also: SpeculationGate | None = None) -> None:
         """Credit a finished step to the arm it used, at gain = tokens / length: tokens committed
         per sequence, length the step's seconds over a plain step's (what the gate also scales
         exploration by). A plain step on which the free proposal was the choice (but found
-        nothing) is the cheap arm's, at a plain step's gain and length."""
+        nothing) is the cheap arm's, at a plain step's gain and length. gate: the gate that
+        decided the step; also: a second gate credited with the same arm (the shared gate, when
+        a request's own gate decided)."""
         if drafted or cheap:
             arm = "draft" if drafted else "cheap"
         else:
             arm = "cheap" if gate.choice() == "cheap" else "plain"
             tokens, length = 1.0, 1.0
-        if arm in gate.gain and length is not None and 0 < length < float("inf") and 0 <= tokens < float("inf"):
-            gate.record(arm, tokens / length, length)
-        else:  # a gate restricted to fewer arms (bastion calibrate drafts every step), or a bad timing
-            gate.tick()
+        for g in (gate, also) if also is not None and also is not gate else (gate,):
+            if arm in g.gain and length is not None and 0 < length < float("inf") and 0 <= tokens < float("inf"):
+                g.record(arm, tokens / length, length)
+            else:  # a gate restricted to fewer arms (bastion calibrate drafts every step), or a bad timing
+                g.tick()
 
     def predicted_plain_seconds(self, context_len: int, batch_size: int = 1, model: LatencyModel | None = None) -> float:
         """The latency model's seconds of a plain step's forward: C(1, c), or C_b(b) plus the
@@ -272,16 +308,18 @@ class BudgetController:
         return BatchAdaptivePolicy(self.batch_costs(b, int(sum(contexts))), self.batch_fixed_seconds(b),
                                    st.max_nodes, st.max_nodes, st.top_k)
 
-    def sequence_state(self) -> SpeculationGate:
-        """A request's own gate for batched steps (arms draft and plain; docs/method.md, section 9):
-        whether drafting pays for this request, judged by its marginal gain (`observe_batch`)."""
+    def sequence_state(self) -> RequestGates:
+        """A request's own gates (RequestGates): for batched steps (arms draft and plain;
+        docs/method.md, section 9), whether drafting pays for this request, judged by its
+        marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
+        from the shared gate (`solo_gate`)."""
         alpha, every, _ = self._gate_proto
-        return SpeculationGate(alpha, every, ("draft", "plain"))
+        return RequestGates(SpeculationGate(alpha, every, ("draft", "plain")))
 
-    def sequence_drafts(self, state: SpeculationGate | None) -> bool:
+    def sequence_drafts(self, state: RequestGates | None) -> bool:
         """In a batched step whose class gate drafts: True when this request's own gate drafts
         (its best arm, or the one it explores); True for a request without one."""
-        return state is None or state.should_draft()
+        return state is None or state.batch.should_draft()
 
     @staticmethod
     def marginal_gains(stats: Sequence, plain_s: float) -> list[tuple[float, float] | None]:
@@ -317,7 +355,7 @@ class BudgetController:
         """Record a finished batched step (b >= 2 sequences in one forward).
 
         stats: each sequence's engine.accounting.StepStats (phase times are the batch's, shared);
-        trees: their verified Trees; states: their `sequence_state` gates (None: none). A
+        trees: their verified Trees; states: their `sequence_state`s (None: none). A
         roots-only step refines the per-sequence overhead of the batched cost (measured verify
         time minus the roofline's C_b, per extra sequence) and the measured plain step time at
         this batch size; a drafted one T_draft(b) and T_other(b), feeds the batch-size class's
@@ -354,9 +392,9 @@ class BudgetController:
                 if state is None:
                     continue
                 if marginal is None:
-                    state.record("plain")
+                    state.batch.record("plain")
                 else:
-                    state.record("draft", *marginal)
+                    state.batch.record("draft", *marginal)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 self.surrogate.record(st.a_hat, st.accepted,
@@ -372,7 +410,7 @@ class BudgetController:
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
-                    cheap: bool = False) -> None:
+                    cheap: bool = False, state: RequestGates | None = None) -> None:
         """Feed one finished step to the profiler, the gate and the surrogate check, then
         export the controller's gauges (latency predicted vs measured, T_draft, T_other, gate).
 
@@ -381,7 +419,8 @@ class BudgetController:
         accepted: tokens committed, bonus included; drafted: False for a plain step;
         cheap: a step (drafted False) that verified the drafter's free proposal
         (`Drafter.propose_cheap`): the gate credits it to its cheap arm, the surrogate check records it;
-        depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability.
+        depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability;
+        state: the request's `sequence_state` (its own gate and the shared gate are both credited).
         Never blocks: a refit, when due, runs in a background thread.
         """
         costs = self.verify_costs(c)
@@ -406,7 +445,7 @@ class BudgetController:
             self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
             self.surrogate.record(a_hat, accepted, depth_mass)
-        self._record_arm(self.gate, drafted, cheap, accepted, length)
+        self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self._last = (kind, c + int(accepted))
@@ -419,16 +458,18 @@ class BudgetController:
                       "draft=%.3f ms other=%.3f ms", self.steps, kind, s, c, a_hat,
                       accepted, predicted * 1e3, verify_s * 1e3, draft_s * 1e3, other_s * 1e3)
 
-    def observe(self, stats, tree) -> None:
+    def observe(self, stats, tree, state: RequestGates | None = None) -> None:
         """The engine's per-step hook: `record_step` from a finished step.
 
         stats: the step's engine.accounting.StepStats; tree: the verified engine.tree.Tree
-        (its depths and log_scores give the depth mass the surrogate check needs).
+        (its depths and log_scores give the depth mass the surrogate check needs); state: the
+        request's `sequence_state`.
         """
         proposed = stats.drafted or stats.cheap
         mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
-                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap)
+                         stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap,
+                         state=state)
 
     def snapshot(self) -> dict:
         """JSON-ready state for reports: steps by kind, the gates (SpeculationGate.snapshot), running T_draft / T_other

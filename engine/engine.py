@@ -124,16 +124,18 @@ class ModelInfo:
 class StepController(Protocol):
     """What the engine asks each step; the fixed modes and the adaptive controller implement it."""
 
-    def policy_for_step(self, context_len: int) -> StoppingPolicy:
-        """Stopping policy for a step whose target cache holds context_len tokens."""
+    def policy_for_step(self, context_len: int, state: object = None) -> StoppingPolicy:
+        """Stopping policy for a step whose target cache holds context_len tokens (state: the
+        sequence's `sequence_state` when it runs alone, else None)."""
         ...
 
-    def should_draft(self, batch_size: int = 1) -> bool:
+    def should_draft(self, batch_size: int = 1, state: object = None) -> bool:
         """False: skip the full drafter this step (its free part, `Drafter.propose_cheap`, may still
-        propose). batch_size: sequences in the step."""
+        propose). batch_size: sequences in the step; state: the sequence's `sequence_state` when
+        it runs alone (batch_size 1), else None."""
         ...
 
-    def allow_cheap(self, batch_size: int = 1) -> bool:
+    def allow_cheap(self, batch_size: int = 1, state: object = None) -> bool:
         """On a step where `should_draft` is False: may the drafter's free part still propose?"""
         ...
 
@@ -146,8 +148,9 @@ class StepController(Protocol):
         """Optionally recalibrate the drafter's scores before the tree is built."""
         ...
 
-    def observe(self, stats: StepStats, tree: Tree) -> None:
-        """Record a finished step of one sequence (the online profiler's input)."""
+    def observe(self, stats: StepStats, tree: Tree, state: object = None) -> None:
+        """Record a finished step of one sequence (the online profiler's input); state: its
+        `sequence_state`."""
         ...
 
     def sequence_state(self) -> object:
@@ -170,13 +173,13 @@ class FixedController:
 
     policy: StoppingPolicy
 
-    def policy_for_step(self, context_len: int) -> StoppingPolicy:
+    def policy_for_step(self, context_len: int, state: object = None) -> StoppingPolicy:
         return self.policy
 
-    def should_draft(self, batch_size: int = 1) -> bool:
+    def should_draft(self, batch_size: int = 1, state: object = None) -> bool:
         return True
 
-    def allow_cheap(self, batch_size: int = 1) -> bool:
+    def allow_cheap(self, batch_size: int = 1, state: object = None) -> bool:
         return True
 
     def batch_policy(self, contexts: list[int]) -> None:
@@ -185,7 +188,7 @@ class FixedController:
     def correct(self, proposal: Proposal) -> Proposal:
         return proposal
 
-    def observe(self, stats: StepStats, tree: Tree) -> None:
+    def observe(self, stats: StepStats, tree: Tree, state: object = None) -> None:
         pass
 
     def sequence_state(self) -> None:
@@ -417,7 +420,9 @@ class Engine:
         drafter, controller = self.drafter, self.controller
         b = len(seqs)
         batch_policy = controller.batch_policy([s.prefix_len for s in seqs]) if b > 1 else None
-        policies = [None] * b if batch_policy is not None else [controller.policy_for_step(s.prefix_len) for s in seqs]
+        alone = seqs[0].control if b == 1 else None  # a sequence alone: its own gate decides
+        policies = [None] * b if batch_policy is not None else \
+            [controller.policy_for_step(s.prefix_len, alone) for s in seqs]
         depths = [0] * b
         for r, seq in enumerate(seqs):
             remaining = seq.params.max_tokens - seq.n_out
@@ -425,7 +430,7 @@ class Engine:
             if drafter is not None and cap > 1 and remaining > 1:
                 depths[r] = min(drafter.max_depth, remaining - 1)
         want = [r for r in range(b) if depths[r] > 0]
-        drafted = bool(want) and controller.should_draft(b)
+        drafted = bool(want) and controller.should_draft(b, alone)
         if drafted and b > 1:  # each sequence's own gate: does drafting pay for this request?
             want = [r for r in want if controller.sequence_drafts(seqs[r].control)]
             drafted = bool(want)
@@ -445,7 +450,7 @@ class Engine:
                         proposals[r] = drafter.propose(seqs[r].drafter_state, seqs[r].root, depths[r])
                     except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
                         failed[r] = e
-        elif want and controller.allow_cheap(b):  # the full drafter does not pay now; its free part may
+        elif want and controller.allow_cheap(b, alone):  # the full drafter does not pay now; its free part may
             for r in want:
                 try:
                     proposals[r] = drafter.propose_cheap(seqs[r].drafter_state, seqs[r].root, depths[r])
@@ -470,7 +475,7 @@ class Engine:
         for r in live:
             if r not in trees:
                 try:
-                    policy = policies[r] or controller.policy_for_step(seqs[r].prefix_len)
+                    policy = policies[r] or controller.policy_for_step(seqs[r].prefix_len, alone)
                     trees[r] = build_tree(seqs[r].root, proposals.get(r), policy, max_depths[r])
                 except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
                     failed[r] = e
@@ -582,8 +587,8 @@ class Engine:
             self.accounting.record_forward([plans[r][0].size for r in live])
         if chunks:  # the step's time includes prompt tokens: not what the controller's model prices
             return events, prefilled
-        if len(live) == 1 and observed:
-            self.controller.observe(*observed[0][:2])
+        if len(live) == 1 and observed:  # the request's own gate decided only if it ran alone
+            self.controller.observe(*observed[0][:2], observed[0][2] if len(seqs) == 1 else None)
         elif len(observed) > 1:
             self.controller.observe_batch(*(list(col) for col in zip(*observed)))
         return events, prefilled

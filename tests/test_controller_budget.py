@@ -1,4 +1,5 @@
 """BudgetController: the gate's arms and measured baseline, background refit on drift, surrogate calibration, metrics."""
+import math
 import threading
 import time
 
@@ -298,3 +299,41 @@ def test_a_free_proposal_step_is_priced_without_the_drafter_pass():
     assert ctl.gate.choice() == "cheap" and ctl.gate_for(4).choice() == "cheap"
     assert ctl.policy_for_step(300)._fixed == pytest.approx(0.002)
     assert ctl.batch_fixed_seconds(4) == pytest.approx(0.002)
+
+
+def test_each_request_turns_drafting_down_on_its_own_and_the_next_starts_from_the_shared_gate():
+    """A request alone is decided by its own gate, started from the shared one: on a prompt where
+    drafts stop paying it turns them down after as many of its own samples as the running mean
+    of (prior, samples) needs to fall below 1; the shared gate, which one request moves by alpha
+    per sample, still drafts, so the next request starts drafting at once."""
+    ctl = make_controller()
+    c = 300
+
+    def step(state, accepted):
+        if ctl.should_draft(1, state):
+            m = ctl.model
+            ctl.record_step(16, c, m.predict(16, c), 0.3 * m.predict(1, c), 1e-3, float(accepted), accepted,
+                            state=state)
+            return "draft"
+        ctl.record_step(1, c, ctl.model.predict(1, c), 0.0, 5e-4, 1.0, 1, drafted=False, state=state)
+        return "plain"
+
+    for _ in range(3):  # plain steps set the measured baseline
+        ctl.record_step(1, c, ctl.model.predict(1, c), 0.0, 5e-4, 1.0, 1, drafted=False)
+    easy = ctl.sequence_state()
+    for _ in range(30):
+        step(easy, 3)
+    assert ctl.gate.best() == "draft" and easy.solo.best() == "draft"
+    g_prior, length = ctl.gate.gain["draft"], ctl.gate.length["draft"]
+    g_hard = 1.0 / length  # one token per drafted step
+    hard = ctl.sequence_state()
+    kinds = [step(hard, 1) for _ in range(60)]
+    first_plain = kinds.index("plain")
+    # the mean of the prior (one sample) and n own samples falls below 1 after n > (g0 - g1) / (1 - g1)
+    assert first_plain <= math.ceil((g_prior - g_hard) / (1 - g_hard)) + 1, (first_plain, g_prior, g_hard)
+    assert hard.solo.best() == "plain"
+    assert kinds[first_plain:].count("draft") <= 8  # re-sampled now and then, never locked out
+    assert ctl.gate.best() == "draft"  # the shared gate moved by at most alpha per sample
+    nxt = ctl.sequence_state()
+    assert step(nxt, 3) == "draft"
+    assert nxt.solo.gain["draft"] > 1 and nxt.solo.samples["draft"] == 1

@@ -213,7 +213,7 @@ def test_each_request_has_its_own_gate_inside_a_batch():
         ctl.observe_batch([StepStats(tree_size=1, accepted=1, accepted_depth=0, context_len=500, a_hat=1.0,
                                      drafted=False, draft_s=0.0, verify_s=0.049, other_s=0.001)] * 4,
                           [tree] * 4, states)
-    assert all(s.samples["draft"] == 0 for s in states)  # undrafted steps leave the request gates alone
+    assert all(s.batch.samples["draft"] == 0 for s in states)  # undrafted steps leave the request gates alone
 
     def drafted_step():
         drafting = [ctl.sequence_drafts(s) for s in states]
@@ -224,7 +224,7 @@ def test_each_request_has_its_own_gate_inside_a_batch():
         return drafting
 
     assert drafted_step() == [True] * 4
-    assert states[0].gain["draft"] > 1 > states[1].gain["draft"]
+    assert states[0].batch.gain["draft"] > 1 > states[1].batch.gain["draft"]
     history = [drafted_step() for _ in range(40)]
     assert all(h[0] for h in history)  # the paying request always drafts
     for r in (1, 2, 3):

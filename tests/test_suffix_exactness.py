@@ -119,7 +119,7 @@ class _GateOff(FixedController):
     def __init__(self, budget):
         super().__init__(make_controller("tree", budget).policy)
 
-    def should_draft(self, batch_size=1):
+    def should_draft(self, batch_size=1, state=None):
         return False
 
 
