@@ -125,18 +125,17 @@ def test_running_estimates_and_policy_for_step():
         ctl.record_step(16, 100, ctl.model.predict(16, 100), 0.01, 0.002, 3.0, 3)
     assert ctl.t_draft == pytest.approx(0.01) and ctl.t_other == pytest.approx(0.002)
     pol = ctl.policy_for_step(500)
-    assert pol.max_nodes == 256 and pol.top_k == 64 and pol.min_nodes == 1
-    assert pol.cost(37) == pytest.approx(ctl.model.predict(37, 500))
-    # the free-proposal arm is untried, so it is the next choice: priced without the drafter pass
+    # the free-proposal arm is untried, so it is the next choice: priced without the drafter
+    # pass, and a probe (a small tree)
     assert ctl.gate.choice() == "cheap"
+    assert pol.max_nodes == ctl.probe_nodes(ctl.verify_costs(500)) < 256 and pol.top_k == 64 and pol.min_nodes == 1
+    assert pol.cost(7) == pytest.approx(ctl.model.predict(7, 500))
     assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.002 + ctl.model.predict(10, 500)))
     ctl.gate.record("cheap", 0.5)
     assert ctl.gate.choice() == "draft"
-    assert ctl.policy_for_step(500).theta(10, 2.0) == pytest.approx(2.0 / (0.012 + ctl.model.predict(10, 500)))
-    t0 = time.perf_counter()
-    for c in range(1000, 1100):
-        ctl.policy_for_step(c)
-    assert (time.perf_counter() - t0) / 100 < 2e-3
+    pol = ctl.policy_for_step(500)
+    assert pol.max_nodes == 256 and pol.cost(37) == pytest.approx(ctl.model.predict(37, 500))
+    assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.012 + ctl.model.predict(10, 500)))
 
 
 def test_metrics_exported_on_given_registry():
@@ -337,3 +336,33 @@ def test_each_request_turns_drafting_down_on_its_own_and_the_next_starts_from_th
     nxt = ctl.sequence_state()
     assert step(nxt, 3) == "draft"
     assert nxt.solo.gain["draft"] > 1 and nxt.solo.samples["draft"] == 1
+
+
+def test_exploration_steps_grow_small_trees_the_best_arm_full_ones():
+    """A step that samples an arm which is not the best verifies at most probe_nodes nodes (C(n) <=
+    1.5 C(1), at least 8); the best arm's steps may grow to the settings' maximum."""
+    from controller.budget import PROBE_COST, PROBE_MIN_NODES
+
+    ctl = make_controller()
+    c = 300
+    costs = ctl.verify_costs(c)
+    cap = ctl.probe_nodes(costs)
+    assert cap >= PROBE_MIN_NODES and (cap == PROBE_MIN_NODES or costs[cap] <= PROBE_COST * costs[1] < costs[cap + 1])
+    state = ctl.sequence_state()
+    gate = ctl.solo_gate(state)
+    assert gate.choice() == "draft" and gate.gain["draft"] is None  # untried: a probe
+    assert ctl.policy_for_step(c, state).max_nodes == cap
+    gate.record("draft", 3.0, 1.2)
+    assert gate.choice() == "cheap" and ctl.policy_for_step(c, state).max_nodes == cap  # untried: a probe
+    gate.record("cheap", 0.5, 1.1)
+    assert gate.choice() == gate.best() == "draft"  # drafting pays: its steps are not probes
+    assert ctl.policy_for_step(c, state).max_nodes == 256
+    for _ in range(3):
+        gate.record("draft", 0.2, 1.3)
+    assert gate.best() == "plain"  # draft and cheap are now sampled as probes
+    while gate.choice() == "plain":
+        gate.tick()
+    assert gate.choice() in ("draft", "cheap") and ctl.policy_for_step(c, state).max_nodes == cap
+    # A flat cost curve (a GPU's) lets probes grow as far as 1.5 C(1) reaches.
+    flat = [0.0] + [0.01 + 1e-6 * n for n in range(1, 257)]
+    assert ctl.probe_nodes(flat) == 256
