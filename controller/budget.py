@@ -193,26 +193,31 @@ class BudgetController:
         choice = gate.choice()
         draft_s = self.t_draft if choice == "draft" else 0.0
         costs = self.verify_costs(context_len)
-        max_nodes = st.max_nodes
-        if choice != "plain" and (gate.gain[choice] is None or choice != gate.best()):
-            max_nodes = self.probe_nodes(costs)
+        max_nodes = self.probe_nodes(costs) if self._probing(gate) else st.max_nodes
         return AdaptivePolicy(costs, draft_s + self.t_other, min(st.min_nodes, max_nodes), max_nodes, st.bucket,
                               st.top_k)
 
-    def probe_nodes(self, costs: Sequence[float]) -> int:
-        """The largest tree an exploration step may verify: the largest n with C(n) <= PROBE_COST x
-        C(1) (costs: `verify_costs`), at least PROBE_MIN_NODES, at most settings.max_nodes. An arm
-        that is not the best is sampled to learn whether it pays, which a small tree shows as
-        well (a drafter that pays has its best nodes first), at a bounded price: unbounded, one
-        sample built from over-confident scores verified 61 nodes for 2 tokens, five plain
-        steps' time on the CPU (docs/controller.md, "Robust choices"). The floor keeps a probe
-        able to show a gain where even C(2) costs 1.5 C(1) (the AMX CPU of docs/controller.md,
-        where 8- and 16-node trees ran 1.5-1.6x faster than plain decoding)."""
-        limit = PROBE_COST * costs[1]
-        n = 1
+    @staticmethod
+    def _probing(gate: SpeculationGate) -> bool:
+        """Is the gate's next step a sample of an arm that is not its best (or never tried)?"""
+        choice = gate.choice()
+        return choice != "plain" and (gate.gain[choice] is None or choice != gate.best())
+
+    def probe_nodes(self, costs: Sequence[float], roots: int = 1) -> int:
+        """The most nodes an exploration step may verify: the largest n with C(n) <= PROBE_COST x
+        C(roots) (costs: `verify_costs`, or `batch_costs` for a batch of `roots` sequences), at
+        least roots + PROBE_MIN_NODES - 1, at most settings.max_nodes. An arm that is not the
+        best is sampled to learn whether it pays, which a small tree shows as well (a drafter
+        that pays has its best nodes first), at a bounded price: unbounded, one sample built
+        from over-confident scores verified 61 nodes for 2 tokens, five plain steps' time on the
+        CPU (docs/controller.md, "Robust choices"). The floor keeps a probe able to show a gain
+        where even C(2) costs 1.5 C(1) (the AMX CPU of docs/controller.md, where 8- and 16-node
+        trees ran 1.5-1.6x faster than plain decoding)."""
+        limit = PROBE_COST * costs[roots]
+        n = roots
         while n + 1 < len(costs) and costs[n + 1] <= limit:
             n += 1
-        return min(max(PROBE_MIN_NODES, n), self.settings.max_nodes)
+        return min(max(roots + PROBE_MIN_NODES - 1, n), self.settings.max_nodes)
 
     def should_draft(self, batch_size: int = 1, state: RequestGates | None = None) -> bool:
         """False when the full drafter is not this step's choice at this batch size (the gate's best
@@ -328,13 +333,16 @@ class BudgetController:
 
     def batch_policy(self, contexts: Sequence[int]) -> BatchAdaptivePolicy:
         """The global stopping policy of a batched step over sequences caching `contexts` tokens
-        (docs/method.md, section 9): at most settings.max_nodes nodes in all, and per tree."""
+        (docs/method.md, section 9): at most settings.max_nodes nodes in all, and per tree; at most
+        `probe_nodes` in all when the batch-size class's gate samples an arm that is not its best."""
         b = len(contexts)
         st = self.settings
         if b > st.max_nodes:
             raise ValueError(f"a batch of {b} sequences exceeds the node cap of {st.max_nodes}")
-        return BatchAdaptivePolicy(self.batch_costs(b, int(sum(contexts))), self.batch_fixed_seconds(b),
-                                   st.max_nodes, st.max_nodes, st.top_k)
+        costs = self.batch_costs(b, int(sum(contexts)))
+        # A sample of an arm that is not the class's best verifies a small batch (`probe_nodes`).
+        max_nodes = self.probe_nodes(costs, roots=b) if self._probing(self.gate_for(b)) else st.max_nodes
+        return BatchAdaptivePolicy(costs, self.batch_fixed_seconds(b), max_nodes, st.max_nodes, st.top_k)
 
     def sequence_state(self) -> RequestGates:
         """A request's own gates (RequestGates): for batched steps (arms draft and plain;

@@ -128,7 +128,15 @@ def test_controller_batch_policy_and_online_sequence_overhead():
     ctl = _controller(seq_overhead=1e-3)
     pol = ctl.batch_policy([100, 200, 300])
     assert math.isclose(pol.cost(3), ctl.model.predict_batch(3, 3, 600, 1e-3))
-    assert pol.max_nodes == 256
+    # The class's gate has tried nothing yet: its first draft is a probe, a small batch of nodes
+    # (at most 1.5 x the roots-only step's cost, at least 7 speculative nodes).
+    costs = ctl.batch_costs(3, 600)
+    probe = ctl.probe_nodes(costs, roots=3)
+    assert pol.max_nodes == probe and probe >= 3 + 7 and (probe == 10 or costs[probe] <= 1.5 * costs[3])
+    gate = ctl.gate_for(3)
+    gate.record("draft", 2.0, 1.2)
+    gate.record("cheap", 0.5, 1.1)
+    assert gate.choice() == gate.best() == "draft" and ctl.batch_policy([100, 200, 300]).max_nodes == 256
     # Batched steps that each cost 5 ms per extra sequence over the roofline: the estimate moves there.
     tree = build_tree(0, None, FixedBudgetPolicy(1), 0)
     for _ in range(60):
