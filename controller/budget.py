@@ -49,9 +49,9 @@ class RequestGates:
     """One request's own gates, kept in its engine Sequence (`BudgetController.sequence_state`).
 
     batch: arms draft and plain, judged by the request's marginal gain inside batched steps
-    (docs/method.md, section 9). solo: arms draft, cheap and plain for the steps it runs alone,
-    created at its first such step from the controller's shared gate, whose averages count as
-    one sample each (docs/method.md, section 8): the request's own first sample of an arm then
+    (docs/method.md, section 9). solo: the shared gate's arms (draft, cheap and plain when
+    serving) for the steps it runs alone, created at its first such step from the controller's
+    shared gate, whose averages count as one sample each (docs/method.md, section 8): the request's own first sample of an arm then
     weighs half, so a prompt on which an arm stops paying turns it down within a few steps,
     while the shared gate, which every request's steps feed, keeps what holds across requests.
     """

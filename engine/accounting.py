@@ -48,7 +48,9 @@ class StepStats:
     a_hat: the tree's acceptance surrogate; drafted: whether the full drafter ran.
     accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
     cheap: the tree came from the drafter's nearly free part (`Drafter.propose_cheap`)
-    on a step where the controller had turned the full drafter off.
+    on a step where the controller had turned the full drafter off. prompt_tokens: other
+    requests' prompt tokens prefilled in the same forward (`Engine.step_mixed`); the times
+    include their compute.
     """
 
     tree_size: int
@@ -61,6 +63,7 @@ class StepStats:
     verify_s: float
     other_s: float
     cheap: bool = False
+    prompt_tokens: int = 0
 
     @property
     def kind(self) -> str:
@@ -159,7 +162,8 @@ class StepAccounting:
         return sum(self.steps_by_kind.values())
 
     def record(self, st: StepStats) -> None:
-        """Fold one step into the totals."""
+        """Fold one step into the totals (its time into the speedup estimate only when no prompt
+        tokens rode in its forward)."""
         accepted = st.accepted_drafted
         with self._lock:
             self.steps_by_kind[st.kind] += 1
@@ -169,6 +173,8 @@ class StepAccounting:
                 self.accepted_per_depth[d] += 1
             self.tree_size.observe(st.tree_size)
             self.accepted_length.observe(st.accepted)
+            if st.prompt_tokens:  # its time is partly another request's prefill: not a decoding step's
+                return
             seconds = st.draft_s + st.verify_s + st.other_s
             d = SPEEDUP_DECAY
             self._ar_w, self._ar_s = d * self._ar_w, d * self._ar_s

@@ -352,13 +352,18 @@ class Engine:
 
     def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> PrefillChunk:
         """The next chunk of a prefilling sequence's prompt (at most max_tokens tokens). Raises
-        ValueError when the sequence is released or already prefilled, or max_tokens < 1."""
+        ValueError when the sequence is released or already prefilled, or max_tokens < 1 (its
+        slot kept); any other error releases the slot."""
         if seq.slot < 0 or seq.root >= 0:
             raise ValueError("prefill needs a sequence from begin() that is still prefilling")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         end = min(seq.prefilled + max_tokens, len(seq.prompt_ids))
-        ids = torch.tensor(seq.prompt_ids[seq.prefilled:end], dtype=torch.long, device=self.model.device)
+        try:
+            ids = torch.tensor(seq.prompt_ids[seq.prefilled:end], dtype=torch.long, device=self.model.device)
+        except BaseException:
+            self.release(seq)
+            raise
         return PrefillChunk(seq.slot, seq.prefilled, ids)
 
     def _prefill_done(self, seq: Sequence, chunk: PrefillChunk, out: VerifyOutput) -> GenerationEvent | None:
@@ -374,12 +379,12 @@ class Engine:
                 if end < len(seq.prompt_ids):
                     return None
                 seq.root = select_token(out.logits[0], seq.params, seq.generator)
+            seq.prefix_len = len(seq.prompt_ids)
+            committed, finish = self._commit(seq, [seq.root])
+            seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
         except BaseException:
             self.release(seq)
             raise
-        seq.prefix_len = len(seq.prompt_ids)
-        committed, finish = self._commit(seq, [seq.root])
-        seq.pending = GenerationEvent(committed, seq.detok.release(final=finish is not None), finish, None)
         if finish is not None:
             self._finished(seq, committed)
         return seq.pending
@@ -514,7 +519,7 @@ class Engine:
         sequences' results as above; per prefill its first-token event once its prompt is done,
         None while prompt tokens remain, or the exception its own work raised, its slot then
         released). A step that carries prompt chunks is not shown to the controller: its time
-        is not a tree's. An error of the shared forward releases the chunks' sequences too.
+        is not a tree's. An error of the shared step releases the chunks' sequences too.
         Raises ValueError when a sequence appears twice, a running one is still prefilling or has
         finished, or a prefill's sequence is not prefilling (nothing is run or held then).
         """
@@ -525,10 +530,19 @@ class Engine:
         chunks = [self._prefill_chunk(s, n) for s, n in prefills]
         if not seqs:
             return [], self._prefill_only(pre, chunks)
+        try:
+            return self._step_mixed(seqs, pre, chunks)
+        except BaseException:
+            for s in pre:  # the shared step failed: no chunk's sequence is left half-prefilled
+                self.release(s)
+            raise
+
+    def _step_mixed(self, seqs: list[Sequence], pre: list[Sequence], chunks: list[PrefillChunk]
+                    ) -> tuple[list[GenerationEvent | Exception], list[GenerationEvent | None | Exception]]:
         drafter = self.drafter
         feature_layers = drafter.feature_layers if drafter is not None else ()
         clock = self._clock
-        clock.mark()
+        clock.start()
         failed: dict[int, Exception] = {}
         plans = self._plan_batch(seqs, failed)
         live = [r for r in range(len(seqs)) if r not in failed]
@@ -540,17 +554,11 @@ class Engine:
         verified = {}
         chunk_outs = []
         if live or chunks:
-            try:
-                outs, chunk_outs = verify_and_prefill(self.forward, self.pool, [seqs[r].slot for r in live],
-                                                      [device_trees[r] for r in live], chunks, feature_layers,
-                                                      backend=self.backend)
-            except BaseException:
-                for s in pre:
-                    self.release(s)
-                raise
+            outs, chunk_outs = verify_and_prefill(self.forward, self.pool, [seqs[r].slot for r in live],
+                                                  [device_trees[r] for r in live], chunks, feature_layers,
+                                                  backend=self.backend)
             verified = dict(zip(live, outs))
         clock.mark()
-        prefilled = [self._prefill_guarded(s, c, o) for s, c, o in zip(pre, chunks, chunk_outs)]
         accepted = accept_batch([plans[r][0] for r in live], [device_trees[r] for r in live],
                                 [verified[r].logits for r in live], [seqs[r].params for r in live],
                                 [seqs[r].generator for r in live], [self._uniforms(seqs[r]) for r in live])
@@ -563,8 +571,11 @@ class Engine:
                 results[r] = self._commit_accepted(seq, tree, acc, out) + (tree, drafted, cheap)
             except Exception as e:  # noqa: BLE001 - this sequence's failure, not the batch's
                 failed[r] = e
+        # After acceptance: a completed prompt's first token is a host read of its own.
+        prefilled = [self._prefill_guarded(s, c, o) for s, c, o in zip(pre, chunks, chunk_outs)]
         clock.mark()
         draft_s, load_s, verify_s, commit_s = clock.intervals()
+        prompt_tokens = sum(len(c.tokens) for c in chunks)
         events: list[GenerationEvent | Exception] = []
         observed: list[tuple[StepStats, Tree, object]] = []
         for r, seq in enumerate(seqs):
@@ -575,7 +586,8 @@ class Engine:
             path, committed, finish, context_len, tree, drafted, cheap = results[r]
             stats = StepStats(tree_size=tree.size, accepted=len(committed), accepted_depth=len(path) - 1,
                               context_len=context_len, a_hat=tree.a_hat, drafted=drafted, draft_s=draft_s,
-                              verify_s=verify_s, other_s=load_s + commit_s, cheap=cheap)
+                              verify_s=verify_s, other_s=load_s + commit_s, cheap=cheap,
+                              prompt_tokens=prompt_tokens)
             seq.steps.append(stats)
             self.accounting.record(stats)
             if finish is not None:

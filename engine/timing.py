@@ -18,12 +18,18 @@ class StepClock:
     On a CPU a mark is the host clock. On CUDA, where kernels run after their launch, a mark is
     a CUDA event recorded on the current stream, and the intervals are read with `intervals()`
     after the step's one host read (the acceptance), which has waited for the work already:
-    no extra synchronisation. Usage: mark() at each phase boundary, then intervals().
+    no extra synchronisation. Usage: start() at the step's beginning (it drops the marks of a
+    step that failed before reading them), mark() at each phase boundary, then intervals().
     """
 
     def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"
         self._marks: list = []
+
+    def start(self) -> None:
+        """Begin a step: forget earlier marks, then mark."""
+        self._marks = []
+        self.mark()
 
     def mark(self) -> None:
         if self.cuda:

@@ -528,16 +528,20 @@ class Scheduler:
         request whose prompt is done gets its first token.
 
         A request whose own work failed gets its error (HTTP 500) and the others go on; a
-        failure of the shared step fails the requests of that step only, never the worker.
+        failure of the shared step fails the requests of that step only, never the worker. When
+        a step that carries prompt chunks fails, their requests fail and the running ones get
+        their step again without them (a chunk must not take the running requests down with it).
         """
         try:
             outs, firsts = self.engine.step_mixed([req.seq for req in reqs], [(req.seq, n) for req, n in chunks])
         except Exception:  # noqa: BLE001
             everyone = reqs + [req for req, _ in chunks]
             log.exception("decoding step failed for %s", ", ".join(r.request_id for r in everyone))
-            for req in everyone:
+            for req in everyone if not (chunks and reqs) else [req for req, _ in chunks]:
                 if req.finish_reason is None:
                     self._fail(req, self._internal(req))
+            if chunks and reqs:
+                self._step(reqs, [])
             return
         for req, out in zip(reqs, outs):
             if isinstance(out, Exception):

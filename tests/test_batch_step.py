@@ -316,6 +316,80 @@ def test_a_prompt_chunk_that_fails_fails_only_its_sequence(target, alone):
     assert eng.pool.free_slots == eng.pool.num_slots
 
 
+def test_the_controller_sees_a_lone_requests_state_and_no_step_that_carries_a_prompt(target, alone):
+    """A sequence alone passes its own controller state to every decision and to `observe`; in a
+    batch no state goes to the single-step calls; a step whose forward carries a prompt chunk is
+    recorded by the step accounting (without its time) but not shown to the controller."""
+    from engine.engine import FixedController
+
+    class Recording(FixedController):
+        def __init__(self):
+            super().__init__(make_controller("tree", 8).policy)
+            self.calls, self.observed = [], []
+
+        def sequence_state(self):
+            return object()
+
+        def should_draft(self, batch_size=1, state=None):
+            self.calls.append(("should_draft", batch_size, state))
+            return True
+
+        def policy_for_step(self, context_len, state=None):
+            self.calls.append(("policy", 1, state))
+            return super().policy_for_step(context_len, state)
+
+        def observe(self, stats, tree, state=None):
+            self.observed.append((stats, state))
+
+        def observe_batch(self, stats, trees, states=None):
+            self.observed.append((stats, states))
+
+    refs = {tuple(p): p + out + [0] * 16 for p, out in zip(PROMPTS, alone)}
+    ctl = Recording()
+    eng = Engine(target, PromptOracle(refs, decoy_every=3), ctl)
+    a = eng.start(PROMPTS[0], SamplingParams(max_tokens=N))
+    eng.step(a)
+    assert ctl.calls and all(state is a.control for _, _, state in ctl.calls)
+    assert len(ctl.observed) == 1 and ctl.observed[0][1] is a.control
+    b = eng.start(PROMPTS[1], SamplingParams(max_tokens=N))
+    ctl.calls.clear()
+    eng.step_batch([a, b])
+    assert ctl.calls and all(state is None for _, _, state in ctl.calls)
+    assert len(ctl.observed) == 2 and ctl.observed[1][1] == [a.control, b.control]
+    c = eng.begin(PROMPTS[3], SamplingParams(max_tokens=N))
+    seconds_before = eng.accounting.snapshot()._seconds
+    steps_before = eng.accounting.steps
+    events, firsts = eng.step_mixed([a, b], [(c, 4)])
+    assert firsts == [None] and all(ev.step.prompt_tokens == 4 for ev in events)
+    assert len(ctl.observed) == 2  # not shown to the controller
+    after = eng.accounting.snapshot()
+    assert after.steps == steps_before + 2 and after._seconds <= seconds_before  # counted, its time left out
+    for s in (a, b, c):
+        eng.release(s)
+
+
+def test_a_failed_shared_step_releases_the_prompt_chunks_sequences(target, monkeypatch):
+    """When the forward of a step with prompt chunks fails, the error is raised and no chunk's
+    sequence keeps its slot (nothing is left half-prefilled); the running sequence is intact."""
+    import engine.engine as engine_mod
+
+    eng = Engine(target)
+    a = eng.start(PROMPTS[0], SamplingParams(max_tokens=N))
+    c = eng.begin(PROMPTS[3], SamplingParams(max_tokens=N))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the forward ran out of memory")
+
+    monkeypatch.setattr(engine_mod, "verify_and_prefill", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        eng.step_mixed([a], [(c, 4)])
+    assert c.slot < 0 and a.slot >= 0 and a.finish_reason is None
+    monkeypatch.undo()
+    eng.step(a)  # the running sequence steps on
+    eng.release(a)
+    assert eng.pool.free_slots == eng.pool.num_slots
+
+
 def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(target, alone8):
     """Under the global budget a proposal is read inside the shared heap; when one raises there,
     the trees are rebuilt alone, that sequence gets its error and the others their exact output."""

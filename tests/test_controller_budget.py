@@ -328,8 +328,9 @@ def test_each_request_turns_drafting_down_on_its_own_and_the_next_starts_from_th
     hard = ctl.sequence_state()
     kinds = [step(hard, 1) for _ in range(60)]
     first_plain = kinds.index("plain")
-    # the mean of the prior (one sample) and n own samples falls below 1 after n > (g0 - g1) / (1 - g1)
-    assert first_plain <= math.ceil((g_prior - g_hard) / (1 - g_hard)) + 1, (first_plain, g_prior, g_hard)
+    # the mean of the prior (one sample) and n own samples, (g0 + n g1) / (n + 1), falls below 1
+    # once n > (g0 - 1) / (1 - g1)
+    assert first_plain == math.floor((g_prior - 1) / (1 - g_hard)) + 1, (first_plain, g_prior, g_hard)
     assert hard.solo.best() == "plain"
     assert kinds[first_plain:].count("draft") <= 8  # re-sampled now and then, never locked out
     assert ctl.gate.best() == "draft"  # the shared gate moved by at most alpha per sample

@@ -479,6 +479,33 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
         Scheduler(factory(eng), prefill_chunk=0)
 
 
+def test_a_failing_prompt_chunk_fails_its_request_only_and_the_running_one_goes_on():
+    """A step whose forward carries a prompt chunk fails: the new request gets its error, the
+    running one its step again without the chunk, and it finishes normally; no slot is held."""
+    from engine.sampling import SamplingParams
+
+    class ChunkBreaks(FakeEngine):
+        def step_mixed(self, seqs, prefills=()):
+            if seqs and prefills:
+                raise RuntimeError("the forward ran out of memory")
+            return super().step_mixed(seqs, prefills)
+
+    eng = ChunkBreaks(step_s=0.005)
+    sched = started(Scheduler(factory(eng), max_queue=4, max_running=2, prefill_chunk=4))
+    try:
+        running = request("running", max_tokens=40)
+        sched.submit(running)
+        wait_for(lambda: len(running.events) >= 2)
+        new = request("new", max_tokens=3)
+        sched.submit(new)
+        wait_for(lambda: new.finish_reason is not None and running.finish_reason is not None)
+        assert new.finish_reason == "error" and not hasattr(new.events[-1], "token_ids")  # a RequestFailed
+        assert running.finish_reason == "length" and sum(len(e.token_ids) for e in running.events) == 40
+        assert not eng.held  # both slots given back
+    finally:
+        sched.shutdown(1.0)
+
+
 def test_the_engine_reserves_max_running_slots_before_ready():
     eng = FakeEngine()
     sched = started(Scheduler(factory(eng), max_queue=4, max_running=3))
