@@ -15,7 +15,7 @@ from engine.loader import Target
 from engine.sampling import RequestError, SamplingParams, UniformStream, select_token
 from engine.tree import (BatchStoppingPolicy, ChainPolicy, FixedBudgetPolicy, SingleNodePolicy, StoppingPolicy, Tree,
                          build_tree, build_trees)
-from engine.forward import TREE_HEADROOM, Segment, target_forward_for
+from engine.forward import TREE_HEADROOM, target_forward_for
 from engine.acceptance import Acceptance, accept_batch
 from engine.timing import StepClock
 from engine.tree_buffers import TreeBufferPool
@@ -336,19 +336,10 @@ class Engine:
         Raises ValueError when the sequence is released or already prefilled, or max_tokens < 1.
         (`step_mixed` runs such chunks inside a decoding step of other sequences.)
         """
-        chunk = self._prefill_chunk(seq, max_tokens)
-        feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
-        try:
-            with torch.inference_mode():
-                logits, feats = self.forward(self.pool, chunk.tokens,
-                                             torch.arange(chunk.start, chunk.start + len(chunk.tokens),
-                                                          device=self.model.device),
-                                             [Segment(seq.slot, chunk.start, len(chunk.tokens))], feature_layers,
-                                             last_only=True, backend=self.backend)
-        except BaseException:
-            self.release(seq)
-            raise
-        return self._prefill_done(seq, chunk, VerifyOutput(logits, feats))
+        out = self._prefill_only([seq], [self._prefill_chunk(seq, max_tokens)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def _prefill_chunk(self, seq: Sequence, max_tokens: int) -> PrefillChunk:
         """The next chunk of a prefilling sequence's prompt (at most max_tokens tokens). Raises
@@ -613,12 +604,16 @@ class Engine:
             return e
 
     def _prefill_only(self, seqs: list[Sequence], chunks: list[PrefillChunk]) -> list[GenerationEvent | None | Exception]:
-        """Several sequences' prompt chunks in one forward, no running sequence beside them."""
+        """Several sequences' prompt chunks in one forward, no running sequence beside them: per
+        chunk its `_prefill_done` result or the exception its own work raised (slot released).
+        An error of the forward releases every one of them and is raised."""
         if not chunks:
             return []
         feature_layers = self.drafter.feature_layers if self.drafter is not None else ()
         try:
-            _, outs = verify_and_prefill(self.forward, self.pool, [], [], chunks, feature_layers, backend=self.backend)
+            with torch.inference_mode():
+                _, outs = verify_and_prefill(self.forward, self.pool, [], [], chunks, feature_layers,
+                                             backend=self.backend)
         except BaseException:
             for s in seqs:
                 self.release(s)

@@ -227,7 +227,6 @@ class TargetForward:
         feats = torch.cat([kept[j] for j in feature_layers], dim=-1) if feature_layers else None
         return logits, feats
 
-
     def _write_index(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Indices (slot [N, 1], head [1, h_kv], position [N, 1]) that scatter the N new rows'
         keys [N, h_kv, d] into one layer's [slots, h_kv, capacity, d] pool tensor."""

@@ -535,12 +535,13 @@ class Scheduler:
         try:
             outs, firsts = self.engine.step_mixed([req.seq for req in reqs], [(req.seq, n) for req, n in chunks])
         except Exception:  # noqa: BLE001
-            everyone = reqs + [req for req, _ in chunks]
-            log.exception("decoding step failed for %s", ", ".join(r.request_id for r in everyone))
-            for req in everyone if not (chunks and reqs) else [req for req, _ in chunks]:
+            prefilling = [req for req, _ in chunks]
+            log.exception("decoding step failed for %s", ", ".join(r.request_id for r in reqs + prefilling))
+            retry = bool(reqs and prefilling)  # the running requests get their step again, alone
+            for req in prefilling if retry else reqs + prefilling:
                 if req.finish_reason is None:
                     self._fail(req, self._internal(req))
-            if chunks and reqs:
+            if retry:
                 self._step(reqs, [])
             return
         for req, out in zip(reqs, outs):
