@@ -78,7 +78,8 @@ class BudgetController:
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: the SpeculationGate of single-sequence steps (default one; batch-size
     classes get gates with its settings). table_every: steps between updates
-    of the latency-table and online-error gauges. seq_overhead: calibrated seconds a batched
+    of the latency-table and online-error gauges (single and batched steps counted apart; the
+    calibrated table is published at construction, at context 0). seq_overhead: calibrated seconds a batched
     forward costs per sequence beyond the first (CalibrationResult.seq_overhead), refined online
     by batched steps.
     Batched steps (docs/method.md, section 9) get a global policy from `batch_policy`, are
@@ -124,6 +125,8 @@ class BudgetController:
         if heldout_mape is not None:
             self.metrics.fit_error.labels(kind="calibration_heldout").set(heldout_mape)
         self.metrics.drafting.set(1)
+        # The calibrated table is known before any step: publish it (at an empty context) now.
+        self.update_table(0)
 
     # ---- construction -----------------------------------------------------------------
 
@@ -439,6 +442,8 @@ class BudgetController:
             self.step_kinds[kind] += 1
         self.batch_steps += 1
         self.metrics.observe_step(first.verify_s, predicted, self.t_draft, self.t_other, gate.best() == "draft")
+        if self.batch_steps % self.table_every == 0:
+            self.update_table(c_total // b)  # at the batch's mean context
 
     def correct(self, proposal: Proposal) -> Proposal:
         """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity unless enabled)."""

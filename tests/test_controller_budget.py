@@ -141,9 +141,12 @@ def test_running_estimates_and_policy_for_step():
 def test_metrics_exported_on_given_registry():
     reg = CollectorRegistry()
     ctl = BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), registry=reg, heldout_mape=0.04, table_every=4)
+    get = reg.get_sample_value
+    # The calibrated table is there before any step, at context 0.
+    assert get("bastion_predicted_verify_seconds", {"s": "64"}) == pytest.approx(ctl.model.predict(64, 0))
+    assert get("bastion_context_tokens") == 0
     for i in range(8):
         ctl.record_step(16, 400, 0.9 * ctl.model.predict(16, 400), 0.01, 0.002, 3.5, 4)
-    get = reg.get_sample_value
     assert get("bastion_latency_model_param", {"param": "beta_m"}) == PARAMS.beta_m
     assert get("bastion_latency_model_error_ratio", {"kind": "calibration_heldout"}) == 0.04
     assert get("bastion_latency_model_error_ratio", {"kind": "online"}) == pytest.approx(1 / 0.9 - 1)

@@ -120,12 +120,13 @@ def test_batch_policy_rule_and_trees_shrink_as_the_batch_grows():
 
 
 def _controller(**kw) -> BudgetController:
-    return BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), PolicySettings(1, 256, 1, 64),
-                            registry=CollectorRegistry(), t_draft_init=0.01, **kw)
+    kw.setdefault("registry", CollectorRegistry())
+    return BudgetController(LatencyModel(SHAPE, CEIL, PARAMS), PolicySettings(1, 256, 1, 64), t_draft_init=0.01, **kw)
 
 
 def test_controller_batch_policy_and_online_sequence_overhead():
-    ctl = _controller(seq_overhead=1e-3)
+    reg = CollectorRegistry()
+    ctl = _controller(seq_overhead=1e-3, registry=reg)
     pol = ctl.batch_policy([100, 200, 300])
     assert math.isclose(pol.cost(3), ctl.model.predict_batch(3, 3, 600, 1e-3))
     # The class's gate has tried nothing yet: its first draft is a probe, a small batch of nodes
@@ -146,6 +147,9 @@ def test_controller_batch_policy_and_online_sequence_overhead():
         ctl.observe_batch(stats, [tree] * 4)
     assert abs(ctl.seq_overhead.value - 5e-3) < 2e-4
     assert ctl.step_kinds["plain"] == 240 and ctl.batch_steps == 60
+    # Batched steps alone keep the latency-table gauge current, at the batch's mean context.
+    assert reg.get_sample_value("bastion_context_tokens") == 500
+    assert reg.get_sample_value("bastion_predicted_verify_seconds", {"s": "64"}) == pytest.approx(ctl.model.predict(64, 500))
     with pytest.raises(ValueError):
         ctl.observe_batch(stats[:1], [tree])
 
