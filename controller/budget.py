@@ -115,6 +115,9 @@ class BudgetController:
         self._last: tuple[str, int] = ("plain", -1)  # the last single-sequence step: kind, context after it
         self._steady_draft = RunningMean(0.3)  # draft seconds of drafted steps that follow drafted steps
         self.surrogate = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
+        # The drafter's free proposals (a suffix index) are calibrated apart: their scores miss
+        # in their own way, and pooled with the full drafter's they skewed both (docs/controller.md).
+        self.surrogate_cheap = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         self.table_every = table_every
         self.steps = 0
         self.step_kinds = {"draft": 0, "cheap": 0, "plain": 0}
@@ -436,8 +439,8 @@ class BudgetController:
                     state.batch.record("draft", *marginal)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
-                self.surrogate.record(st.a_hat, st.accepted,
-                                      depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth))
+                sur = self.surrogate_for(st.cheap and not st.drafted)
+                sur.record(st.a_hat, st.accepted, depth_mass(tree.depths, tree.log_scores, sur.max_depth))
             kind = "draft" if st.drafted else "cheap" if st.cheap else "plain"
             self.step_kinds[kind] += 1
         self.batch_steps += 1
@@ -445,9 +448,15 @@ class BudgetController:
         if self.batch_steps % self.table_every == 0:
             self.update_table(c_total // b)  # at the batch's mean context
 
-    def correct(self, proposal: Proposal) -> Proposal:
-        """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity unless enabled)."""
-        return self.surrogate.correct(proposal)
+    def correct(self, proposal: Proposal, cheap: bool = False) -> Proposal:
+        """Surrogate correction of the drafter's proposal, Marginals or CandidateTree (identity
+        unless enabled); cheap: the proposal is the drafter's free part (`Drafter.propose_cheap`),
+        corrected by its own calibrator (`surrogate_for`)."""
+        return self.surrogate_for(cheap).correct(proposal)
+
+    def surrogate_for(self, cheap: bool) -> SurrogateCalibrator:
+        """The surrogate calibrator of full drafts (`surrogate`) or of free proposals (`surrogate_cheap`)."""
+        return self.surrogate_cheap if cheap else self.surrogate
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
@@ -485,7 +494,7 @@ class BudgetController:
         elif s == 1:
             self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
-            self.surrogate.record(a_hat, accepted, depth_mass)
+            self.surrogate_for(cheap and not drafted).record(a_hat, accepted, depth_mass)
         self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
@@ -520,14 +529,15 @@ class BudgetController:
 
         def num(x: float) -> float | None:  # JSON has no NaN
             return None if x != x else float(x)
-        sur = self.surrogate.snapshot()
-        sur.update(mean_predicted=num(sur["mean_predicted"]), mean_realised=num(sur["mean_realised"]))
+        sur, sur_cheap = self.surrogate.snapshot(), self.surrogate_cheap.snapshot()
+        for x in (sur, sur_cheap):
+            x.update(mean_predicted=num(x["mean_predicted"]), mean_realised=num(x["mean_realised"]))
         return {
             "steps": dict(self.step_kinds), "gate": self.gate.snapshot(),
             "t_draft_s": self.t_draft, "t_other_s": self.t_other,
             "latency_params": model.params.to_dict(), "residual": [list(r) for r in model.residual],
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
-            "surrogate": sur, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
+            "surrogate": sur, "surrogate_cheap": sur_cheap, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
             "batch_gates": {str(k): g.snapshot() for k, g in sorted(self._batch_gates.items())},
         }
 

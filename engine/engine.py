@@ -144,8 +144,9 @@ class StepController(Protocol):
         (engine.tree.build_trees), or None: every sequence builds its tree with `policy_for_step`."""
         ...
 
-    def correct(self, proposal: Proposal) -> Proposal:
-        """Optionally recalibrate the drafter's scores before the tree is built."""
+    def correct(self, proposal: Proposal, cheap: bool = False) -> Proposal:
+        """Optionally recalibrate the drafter's scores before the tree is built; cheap: the
+        proposal is the drafter's free part (`Drafter.propose_cheap`)."""
         ...
 
     def observe(self, stats: StepStats, tree: Tree, state: object = None) -> None:
@@ -185,7 +186,7 @@ class FixedController:
     def batch_policy(self, contexts: list[int]) -> None:
         return None  # a fixed mode gives every sequence its own tree of the same policy
 
-    def correct(self, proposal: Proposal) -> Proposal:
+    def correct(self, proposal: Proposal, cheap: bool = False) -> Proposal:
         return proposal
 
     def observe(self, stats: StepStats, tree: Tree, state: object = None) -> None:
@@ -456,7 +457,7 @@ class Engine:
         for r in live:
             if proposals.get(r) is not None:
                 try:
-                    proposals[r] = controller.correct(proposals[r])
+                    proposals[r] = controller.correct(proposals[r], cheap=not drafted)
                 except Exception as e:  # noqa: BLE001
                     failed[r] = e
         live = [r for r in live if r not in failed]

@@ -248,7 +248,8 @@ def test_surrogate_correction_scales_lazy_source_paths_like_marginals():
 
 def test_cheap_steps_go_to_their_own_arm_and_feed_the_surrogate():
     """A step that verified the drafter's free proposal: the gate credits the cheap arm, the
-    measured plain baseline (an n = 1 quantity) is untouched, the surrogate check records it."""
+    measured plain baseline (an n = 1 quantity) is untouched, the free proposals' own surrogate
+    check records it (the full drafter's stays empty), and a drafted step goes to the other."""
     reg = CollectorRegistry()
     ctl = make_controller(reg)
     c = 300
@@ -258,8 +259,13 @@ def test_cheap_steps_go_to_their_own_arm_and_feed_the_surrogate():
                     depth_mass=np.array([0.8, 0.2] + [0.0] * 13))
     assert ctl.gate.samples["cheap"] == 1 and ctl.gate.gain["cheap"] > 1
     assert ctl.plain_step_seconds(c) == baseline
-    assert ctl.surrogate.steps == 1 and ctl.surrogate.real_depth[:3].tolist() == [1.0, 1.0, 0.0]
+    cheap = ctl.surrogate_cheap
+    assert cheap.steps == 1 and cheap.real_depth[:3].tolist() == [1.0, 1.0, 0.0] and ctl.surrogate.steps == 0
     assert ctl.step_kinds == {"draft": 0, "cheap": 1, "plain": 1}
+    ctl.record_step(6, c, ctl.model.predict(6, c), 1e-2, 5e-4, 2.0, 1, depth_mass=np.array([0.8, 0.2] + [0.0] * 13))
+    assert ctl.surrogate.steps == 1 and ctl.surrogate.real_depth[:2].tolist() == [0.0, 0.0] and cheap.steps == 1
+    assert ctl.surrogate_for(True) is cheap and ctl.surrogate_for(False) is ctl.surrogate
+    assert ctl.snapshot()["surrogate_cheap"]["steps"] == 1
 
 
 def test_a_drafted_step_after_plain_ones_is_judged_by_the_steady_draft_time():

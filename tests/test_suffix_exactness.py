@@ -118,9 +118,14 @@ class _GateOff(FixedController):
 
     def __init__(self, budget):
         super().__init__(make_controller("tree", budget).policy)
+        self.corrected: list[bool] = []  # the `cheap` flag of every correction asked for
 
     def should_draft(self, batch_size=1, state=None):
         return False
+
+    def correct(self, proposal, cheap=False):
+        self.corrected.append(cheap)  # the free proposal must reach its own calibrator
+        return proposal
 
 
 def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, random_drafter, references):
@@ -134,7 +139,8 @@ def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, r
             return super().propose_batch(*a, **kw)
 
     h = Counting(random_drafter, SuffixDrafter())
-    eng = Engine(target_f32, h, _GateOff(16))
+    gate_off = _GateOff(16)
+    eng = Engine(target_f32, h, gate_off)
     cheap_accepted = []
     for ids, ref in references:
         r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
@@ -145,3 +151,4 @@ def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, r
                 cheap_accepted.append(s.accepted)
     assert calls == []
     assert cheap_accepted and max(cheap_accepted) > 2
+    assert gate_off.corrected and all(gate_off.corrected)
