@@ -1,10 +1,10 @@
 """The budget controller: the engine's adaptive StepController (mode `bastion`).
 
-Per step the engine asks, in order (engine/engine.py, `Engine.step`):
+Per step the engine asks, in order (engine/engine.py, `Engine._plan_batch`):
     if controller.should_draft(b):
         proposal = controller.correct(drafter.propose(...))   # identity unless correction is on
-    elif controller.allow_cheap(b):
-        proposal = drafter.propose_cheap(...)                 # the drafter's free part, or None
+    elif controller.allow_cheap(b):                           # the drafter's free part, or None
+        proposal = controller.correct(drafter.propose_cheap(...), cheap=True)
     tree = build_tree(root, proposal, controller.policy_for_step(c), max_depth)
     # b >= 2 sequences: build_trees(roots, proposals, controller.batch_policy(contexts), ...)
     ... verify, accept, compact ...
@@ -15,7 +15,8 @@ full drafter, its free part and plain decoding (controller/gate.py) by their rea
 per second over a plain step's, measured: the median ratio of recent plain steps' times to the
 latency model's C(1) scales the model's prediction at the step's context.
 
-`observe` feeds the online profiler, the gate and the surrogate check (`record_step`),
+`observe` feeds the online profiler, the gate and the surrogate checks (`record_step`; one
+for full drafts, one for free proposals),
 then exports the controller's own gauges. Step figures every mode shares (speedup, tree
 sizes, accepted lengths) are the engine's step accounting (engine/accounting.py), not here.
 The method is described in docs/method.md, sections 8 and 9.
@@ -67,13 +68,14 @@ PROBE_MIN_NODES = 8
 
 
 class BudgetController:
-    """Owns the latency model, the running step-time estimates, the gate and the surrogate check.
+    """Owns the latency model, the running step-time estimates, the gates and the surrogate checks
+    (`surrogate` for full drafts, `surrogate_cheap` for the drafter's free proposals).
 
     model: calibrated LatencyModel. settings: PolicySettings (min/max nodes, bucket, top_k).
     calibration_points: [(s, c, seconds)] reused by online refits. registry: prometheus
     registry (default controller.metrics.REGISTRY). surrogate_correction: apply the per-depth
-    scale to proposals in `correct` (off by default here; the served controller turns it on,
-    bastion_cli/factory.py). max_depth: drafter depth (block size - 1).
+    scale to proposals in `correct`, both checks (off by default here; the served controller
+    turns it on, bastion/factory.py). max_depth: drafter depth (block size - 1).
     t_draft_init / t_other_init: seconds assumed before the first drafted step is measured.
     refit_threshold / refit_window: drift MAPE (fraction) over that many steps that triggers a
     background refit. gate: the SpeculationGate of single-sequence steps (default one; batch-size
@@ -403,7 +405,7 @@ class BudgetController:
         this batch size; a drafted one T_draft(b) and T_other(b), feeds the batch-size class's
         gate with its realised gain over a plain batched step (`plain_step_seconds`) and each
         sequence's own gate with its marginal gain (`marginal_gains`; plain for a sequence its
-        gate kept out). Drafted and cheap trees go to the surrogate check.
+        gate kept out). Drafted and cheap trees go each to their own surrogate check (`surrogate_for`).
         """
         b = len(stats)
         if b < 2:
@@ -468,8 +470,10 @@ class BudgetController:
         before the step; verify_s / draft_s / other_s: seconds; a_hat: the tree's surrogate;
         accepted: tokens committed, bonus included; drafted: False for a plain step;
         cheap: a step (drafted False) that verified the drafter's free proposal
-        (`Drafter.propose_cheap`): the gate credits it to its cheap arm, the surrogate check records it;
-        depth_mass: `controller.surrogate.depth_mass` of the tree, for per-depth reliability;
+        (`Drafter.propose_cheap`): the gate credits it to its cheap arm, the free proposals' own
+        surrogate check (`surrogate_cheap`) records it;
+        depth_mass: `controller.surrogate.depth_mass` of the tree as built (after the matching
+        check's correction), for per-depth reliability;
         state: the request's `sequence_state` (its own gate and the shared gate are both credited).
         Never blocks: a refit, when due, runs in a background thread.
         """
@@ -516,7 +520,8 @@ class BudgetController:
         request's `sequence_state`.
         """
         proposed = stats.drafted or stats.cheap
-        mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
+        sur = self.surrogate_for(stats.cheap and not stats.drafted)
+        mass = depth_mass(tree.depths, tree.log_scores, sur.max_depth) if proposed else None
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
                          stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap,
                          state=state)
@@ -524,7 +529,8 @@ class BudgetController:
     def snapshot(self) -> dict:
         """JSON-ready state for reports: steps by kind, the gates (SpeculationGate.snapshot), running T_draft / T_other
         (seconds), the latency model (parameters, residual, recent online MAPE) and the
-        surrogate check (mean A_hat vs realised accepted length, per-depth reliability)."""
+        surrogate checks (mean A_hat vs realised accepted length, per-depth reliability): `surrogate`
+        for full drafts, `surrogate_cheap` for free proposals."""
         model = self.model
 
         def num(x: float) -> float | None:  # JSON has no NaN

@@ -32,7 +32,9 @@ class ControllerMetrics:
         self.table = Gauge("bastion_predicted_verify_seconds",
                            "Predicted verify latency of s tree tokens at the current context length", ["s"],
                            registry=r)
-        self.context = Gauge("bastion_context_tokens", "Context length (cached tokens) of the latest step", registry=r)
+        self.context = Gauge("bastion_context_tokens",
+                             "Context length (cached tokens) the latency table was last computed at "
+                             "(0 at start-up; a batched step's mean)", registry=r)
         self.t_draft = Gauge("bastion_draft_seconds", "Running estimate of the drafter's pass per step", registry=r)
         self.t_other = Gauge("bastion_other_seconds",
                              "Running estimate of per-step overhead outside draft and verify", registry=r)
