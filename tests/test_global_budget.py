@@ -242,3 +242,21 @@ def test_each_request_has_its_own_gate_inside_a_batch():
     for r in (1, 2, 3):
         drafted = sum(h[r] for h in history)
         assert 1 <= drafted <= 8, (r, drafted)  # kept out, but re-sampled now and then
+
+
+def test_batched_steps_feed_each_proposal_kind_its_own_surrogate_check():
+    """In a batched step a drafted tree goes to the full drafter's surrogate check and a tree
+    of the drafter's free proposal to the free proposals' own; plain rows to neither."""
+    ctl = _controller()
+    tree = build_tree(0, random_marginals(4, 4), FixedBudgetPolicy(8), 4)
+    plain = build_tree(0, None, FixedBudgetPolicy(1), 0)
+
+    def stats(drafted, cheap, size):
+        return StepStats(tree_size=size, accepted=2 if size > 1 else 1, accepted_depth=1 if size > 1 else 0,
+                         context_len=500, a_hat=tree.a_hat if size > 1 else 1.0, drafted=drafted, cheap=cheap,
+                         draft_s=0.01 if drafted else 0.0, verify_s=0.05, other_s=1e-3)
+    ctl.observe_batch([stats(False, True, 8), stats(False, False, 1)], [tree, plain])
+    assert (ctl.surrogate.steps, ctl.surrogate_cheap.steps) == (0, 1)
+    ctl.observe_batch([stats(True, False, 8), stats(True, False, 8), stats(False, False, 1)], [tree, tree, plain])
+    assert (ctl.surrogate.steps, ctl.surrogate_cheap.steps) == (2, 1)
+    assert ctl.surrogate_cheap.real_depth[0] == 1.0 and ctl.surrogate.real_depth[0] == pytest.approx(1.995)  # decay 0.995
