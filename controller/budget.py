@@ -441,7 +441,7 @@ class BudgetController:
                     state.batch.record("draft", *marginal)
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
-                sur = self.surrogate_for(st.cheap and not st.drafted)
+                sur = self.surrogate_for(st.cheap)
                 sur.record(st.a_hat, st.accepted, depth_mass(tree.depths, tree.log_scores, sur.max_depth))
             kind = "draft" if st.drafted else "cheap" if st.cheap else "plain"
             self.step_kinds[kind] += 1
@@ -498,7 +498,7 @@ class BudgetController:
         elif s == 1:
             self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
-            self.surrogate_for(cheap and not drafted).record(a_hat, accepted, depth_mass)
+            self.surrogate_for(cheap).record(a_hat, accepted, depth_mass)
         self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
@@ -520,8 +520,7 @@ class BudgetController:
         request's `sequence_state`.
         """
         proposed = stats.drafted or stats.cheap
-        sur = self.surrogate_for(stats.cheap and not stats.drafted)
-        mass = depth_mass(tree.depths, tree.log_scores, sur.max_depth) if proposed else None
+        mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
                          stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap,
                          state=state)
