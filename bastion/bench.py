@@ -134,6 +134,7 @@ def run(args) -> int:
         if not modes:
             raise ValueError("every selected mode needs a drafter, and there is none")
 
+    warm_kernels(target, drafter)
     calibration = {}
 
     def bastion_controller(surrogate_correction: bool = True):

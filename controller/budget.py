@@ -45,6 +45,10 @@ from drafting.proposal import Proposal
 log = logging.getLogger(__name__)
 
 
+#: A plain step's policy: the root alone (engine/engine.py drafts nothing for a one-node cap).
+_PLAIN_POLICY = AdaptivePolicy([0.0, 0.0], 0.0, 1, 1)
+
+
 @dataclass
 class RequestGates:
     """One request's own gates, kept in its engine Sequence (`BudgetController.sequence_state`).
@@ -60,6 +64,11 @@ class RequestGates:
     batch: SpeculationGate
     solo: SpeculationGate | None = None
 
+
+#: The cost table C(n, c) is computed once per this many tokens of context (its start), not
+#: every step: 16 tokens move a 135M target's C(1) by well under 1 %, and the table cost 0.3 ms a
+#: step to compute (docs/controller.md, "The cost of the controller itself").
+COST_CONTEXT_STEP = 16
 
 #: An exploration step's tree costs at most this many one-token verifications (`probe_nodes`).
 PROBE_COST = 1.5
@@ -183,11 +192,13 @@ class BudgetController:
         return self.profiler.t_other.value
 
     def verify_costs(self, context_len: int) -> list[float]:
-        """[max_nodes + 1] C(n) seconds at context_len, cached until the context or the model changes."""
+        """[max_nodes + 1] C(n) seconds at context_len rounded down to a multiple of
+        COST_CONTEXT_STEP, cached until that or the model changes."""
         model = self.profiler.model
-        if self._costs_key is None or self._costs_key[0] != context_len or self._costs_key[1] is not model:
-            self._costs = model.verify_costs(self.settings.max_nodes, context_len)
-            self._costs_key = (context_len, model)
+        c = context_len - context_len % COST_CONTEXT_STEP
+        if self._costs_key is None or self._costs_key[0] != c or self._costs_key[1] is not model:
+            self._costs = model.verify_costs(self.settings.max_nodes, c)
+            self._costs_key = (c, model)
         return self._costs
 
     def policy_for_step(self, context_len: int, state: RequestGates | None = None) -> AdaptivePolicy:
@@ -195,10 +206,14 @@ class BudgetController:
         time is T_draft + T_other when the gate's choice is the full draft, T_other alone when it
         is the drafter's free proposal (which costs no drafter pass). state: the request's
         `sequence_state` (its own gate decides; None: the shared gate). A step that samples an
-        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes."""
+        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes. When
+        the choice is plain decoding the policy allows one node (nothing is drafted) and no cost
+        table is computed."""
         st = self.settings
         gate = self.solo_gate(state)
         choice = gate.choice()
+        if choice == "plain":
+            return _PLAIN_POLICY
         draft_s = self.t_draft if choice == "draft" else 0.0
         costs = self.verify_costs(context_len)
         max_nodes = self.probe_nodes(costs) if self._probing(gate) else st.max_nodes
@@ -475,7 +490,7 @@ class BudgetController:
         depth_mass: `controller.surrogate.depth_mass` of the tree as built (after the matching
         check's correction), for per-depth reliability;
         state: the request's `sequence_state` (its own gate and the shared gate are both credited).
-        Never blocks: a refit, when due, runs in a background thread.
+        A refit, when due, runs inline (controller/profiler.py: about 15 ms, every few hundred steps at most).
         """
         costs = self.verify_costs(c)
         predicted = costs[s] if s < len(costs) else self.model.predict(s, c)

@@ -1,16 +1,26 @@
 """Online profiler: per-step timings, running T_draft / T_other, background refit on drift.
 
 Every step's verify time is compared with the model's prediction made before the step.
-When the mean absolute percentage error over the last `window` steps exceeds `threshold`,
-the four roofline parameters are refitted in a daemon thread from the recent steps plus the
-calibration grid, and the new model replaces the old one with a single reference swap:
-`record` never waits for a fit.
+When the mean absolute percentage error over the last `window` steps exceeds `threshold`
+and the model is biased (the median of measured / predicted is off 1 by more than
+`bias_threshold`), the four roofline parameters are refitted from the recent steps plus the
+calibration grid, starting from the current ones, and the new model replaces the old one.
+
+The refit runs inline, between two steps (~15 ms), not in a background thread: a thread fitting
+in scipy held the interpreter lock while the step's forward, which dispatches hundreds of ops
+from Python, waited for it, and on a 2-core machine the two also fought for the cores: plain
+steps took 100-680 ms instead of 18 while a refit ran, and the verifications of a whole run
+were 1.2-1.8 ms (7-10 %) slower than with refits off. Why the bias condition: a fit cannot
+remove noise; on a noisy VM the error of an unbiased model crossed 15 % in bursts and started
+a refit every 100-200 plain steps, and a refit that does not cut the error by a fifth doubles
+the wait before the next check (up to MAX_WAIT windows). Drift checks run every CHECK_EVERY steps, not every step
+(each costs ~0.2 ms). Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
+the controller itself").
 """
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -19,6 +29,17 @@ import numpy as np
 from controller.latency_model import LatencyModel, fit_model, mape
 
 log = logging.getLogger(__name__)
+
+#: Fit rounds of an online refit (controller.latency_model.fit_model), which starts from the
+#: current parameters: 2 rounds from one start cost a quarter of the calibration's fit.
+REFIT_ROUNDS = 2
+
+#: After refits that did not cut the error (noise, not drift), drift checks wait up to this
+#: many windows.
+MAX_WAIT = 8
+
+#: Steps between two drift checks once `window` steps have run since the last refit.
+CHECK_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -56,19 +77,22 @@ class OnlineProfiler:
     uniformly slow and its shape, not its level, is what the steps cannot show.
     history: step records kept for refits. window: steps the drift error is measured over
     (and the minimum number of new steps between refits). threshold: drift MAPE (fraction)
-    that triggers a refit. alpha: weight of the newest sample in T_draft / T_other.
-    on_refit(model, mape_before, mape_after): called from the fitting thread after a swap.
+    that triggers a refit, when the model is also biased by more than bias_threshold (a
+    fraction; default threshold / 3): |median(measured / predicted) - 1|. alpha: weight of the newest sample in T_draft / T_other.
+    on_refit(model, mape_before, mape_after): called after a swap.
     """
 
     def __init__(self, model: LatencyModel, calibration_points: Sequence[tuple[int, int, float]] = (),
                  history: int = 512, window: int = 64, threshold: float = 0.15, alpha: float = 0.1,
-                 on_refit: Callable[[LatencyModel, float, float], None] | None = None):
+                 on_refit: Callable[[LatencyModel, float, float], None] | None = None,
+                 bias_threshold: float | None = None):
         self.model = model
         self.calibrated = model
         self.calibration_points = list(calibration_points)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=history)
         self.window = window
         self.threshold = threshold
+        self.bias_threshold = threshold / 3 if bias_threshold is None else bias_threshold
         self.t_draft = RunningMean(alpha)
         self.t_other = RunningMean(alpha)
         self.t_other_ar = RunningMean(alpha)
@@ -76,11 +100,11 @@ class OnlineProfiler:
         self.refits = 0
         self.refit_failures = 0
         self._since_refit = 0
-        self._thread: threading.Thread | None = None
+        self._wait = window  # steps before the next drift check: doubled after a refit that did not help
 
     def record(self, s: int, c: int, verify_s: float, predicted_s: float, draft_s: float, other_s: float,
                drafted: bool) -> None:
-        """Record one step (seconds); may start a background refit; returns at once."""
+        """Record one step (seconds); may refit the model (inline, ~15 ms; see the module docstring)."""
         if verify_s > 0:
             self.records.append(StepRecord(s, c, verify_s, predicted_s))
             self._since_refit += 1
@@ -89,33 +113,27 @@ class OnlineProfiler:
             self.t_other.add(other_s)
         else:
             self.t_other_ar.add(other_s)
-        if self._since_refit >= self.window and not self.refitting:
-            err = self.recent_mape()
-            if err > self.threshold:
-                self._start_refit(err)
+        since = self._since_refit
+        if since >= self._wait and (since - self._wait) % CHECK_EVERY == 0:
+            err, bias = self.recent_error()
+            if err > self.threshold and abs(bias) > self.bias_threshold:
+                self._since_refit = 0
+                self._refit(list(self.records), err)
+
+    def recent_error(self, n: int | None = None) -> tuple[float, float]:
+        """(MAPE, bias) of the predictions made for the last n (default `window`) steps, fractions:
+        bias = median(measured / predicted) - 1. (nan, nan) before any step."""
+        n = n or self.window
+        recent = list(self.records)[-n:]
+        if not recent:
+            return float("nan"), float("nan")
+        measured = np.array([r.verify_s for r in recent])
+        predicted = np.array([r.predicted_s for r in recent])
+        return mape(measured, predicted), float(np.median(measured / predicted)) - 1.0
 
     def recent_mape(self, n: int | None = None) -> float:
         """MAPE (fraction) of the predictions made for the last n (default `window`) steps."""
-        n = n or self.window
-        recent = list(self.records)[-n:]
-        return mape([r.verify_s for r in recent], [r.predicted_s for r in recent])
-
-    @property
-    def refitting(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def wait_refit(self, timeout: float | None = None) -> bool:
-        """Block until the running refit (if any) ends; True when none is running afterwards. For tests and shutdown."""
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
-        return not self.refitting
-
-    def _start_refit(self, err: float) -> None:
-        recent = list(self.records)
-        self._since_refit = 0
-        self._thread = threading.Thread(target=self._refit, args=(recent, err), name="bastion-refit", daemon=True)
-        self._thread.start()
+        return self.recent_error(n)[0]
 
     def _refit(self, recent: list[StepRecord], err_before: float) -> None:
         old = self.model
@@ -128,7 +146,7 @@ class OnlineProfiler:
         arr = np.asarray(pts, dtype=np.float64)
         try:
             new = fit_model(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3],
-                            knots=old.knots)
+                            knots=old.knots, rounds=REFIT_ROUNDS, start=old.params)
         except ValueError as e:
             self.refit_failures += 1
             log.warning("online refit failed: %s", e)
@@ -136,6 +154,8 @@ class OnlineProfiler:
         params = new.params
         window = recent[-self.window:]
         err_after = mape([r.verify_s for r in window], new.predict([r.s for r in window], [r.c for r in window]))
+        # A refit that did not cut the error by a fifth met noise, not drift: wait longer for the next.
+        self._wait = self.window if err_after < 0.8 * err_before else min(2 * self._wait, MAX_WAIT * self.window)
         self.model = new
         self.refits += 1
         log.info("latency model refitted: recent MAPE %.1f %% -> %.1f %% (%s)", 100 * err_before, 100 * err_after,

@@ -50,6 +50,11 @@ class Drafter(ABC):
         """
         return None
 
+    def linear_layers(self) -> list[torch.nn.Module]:
+        """The drafter's own torch.nn.Linear layers, whose row counts vary from pass to pass
+        (for `engine.linear.warm_up`; default: none)."""
+        return []
+
     def propose_cheap(self, state: Any, root: int, max_depth: int) -> Proposal | None:
         """A proposal that costs next to nothing, for steps where the controller has turned
         the full drafter off because it does not pay (default: None, nothing to offer).

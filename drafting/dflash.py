@@ -371,6 +371,11 @@ class DFlashDrafter(Drafter):
     def new_state(self) -> DFlashState:
         return DFlashState()
 
+    def linear_layers(self) -> list[nn.Module]:
+        """Every nn.Linear of the drafter model: the context rows they project vary with the
+        tokens committed since the last pass."""
+        return [mod for mod in self.model.modules() if isinstance(mod, nn.Linear)]
+
     def extend(self, state: DFlashState, token_ids: list[int], features: torch.Tensor | None) -> None:
         if features is None:
             raise ValueError("the DFlash drafter needs target features for every committed token")

@@ -101,6 +101,10 @@ class HybridDrafter(Drafter):
         self.dflash.finish(state.dflash, final_tokens)
         return self.suffix.finish(state.suffix, final_tokens)
 
+    def linear_layers(self) -> list:
+        """DFlash's linear layers (the suffix index has none)."""
+        return self.dflash.linear_layers()
+
     def propose_cheap(self, state: HybridState, root: int, max_depth: int) -> Proposal | None:
         """The suffix drafter's trie alone (about 0.1 ms), or None without a match.
 

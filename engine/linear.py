@@ -75,3 +75,54 @@ def choose_packing(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16),
         return False
     plain = _time_stack(weights, False, rows, repeats)
     return packed < plain
+
+
+#: (in, out, dtype, packed) of the linears `warm_up` has swept in this process: oneDNN's kernel
+#: cache is the process's, so a second engine over the same shapes has nothing to build.
+_WARMED: set[tuple] = set()
+
+#: Row counts `warm_up` covers by default: every tree size the CPU policy may verify
+#: (controller.policy.CPU_SETTINGS.max_nodes).
+WARM_ROWS = 256
+
+
+def warm_up(linears, max_rows: int = WARM_ROWS, stop_s: float = 0.01) -> int:
+    """Run each distinct oneDNN linear once at every row count 1..max_rows, so that no decoding
+    step pays for building a kernel.
+
+    oneDNN builds (JIT-compiles) a kernel the first time it sees a (weight shape, dtype, M)
+    and caches it: on a 2-core AMD EPYC (no AMX) a first call took 0.8-1 ms in bfloat16 and
+    1.3-8 ms in float32 against 0.07-0.15 ms after, so every tree size a step verified for the
+    first time cost ~18 ms more (docs/controller.md, "The cost of the controller itself").
+    Fixed trees pay that once; an adaptive tree, a drafter's catch-up over a varying number of
+    context rows and a batch's summed trees keep meeting new sizes. The kernel cache must hold
+    them all (bastion/openmp.py raises its capacity).
+
+    linears: `Linear`s or `torch.nn.Linear`s (others are skipped); only those oneDNN runs are
+    warmed (packed ones, and any on a CPU in a dtype other than float32, which MKL runs
+    without compiling). Duplicates by (in, out, dtype, packing) run once per process. A linear's sweep stops
+    at the first call slower than stop_s seconds: there the product itself dwarfs a compile
+    (the 49k-row LM head). Returns the number of calls made (0 off the CPU).
+    """
+    calls = 0
+    with torch.inference_mode():
+        for lin in linears:
+            weight = lin.weight
+            packed = bool(getattr(lin, "packed", False))
+            if not hasattr(lin, "in_features") or weight.device.type != "cpu" or \
+                    (not packed and weight.dtype == torch.float32):
+                continue
+            dtype = weight.dtype  # a packed weight keeps its dtype
+            key = (lin.in_features, lin.out_features, dtype, packed)
+            if key in _WARMED:
+                continue
+            _WARMED.add(key)
+            for m in range(1, max_rows + 1):
+                x = torch.zeros(m, lin.in_features, dtype=dtype)
+                t0 = time.perf_counter()
+                lin(x)
+                calls += 1
+                if time.perf_counter() - t0 > stop_s:
+                    break
+    return calls
+

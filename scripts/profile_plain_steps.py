@@ -12,7 +12,7 @@ from controller.gate import SpeculationGate
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
 
-eng = build_engine(EngineSettings(mode="bastion", dtype="float32", threads=2))
+eng = build_engine(EngineSettings(mode="bastion", dtype=__import__("sys").argv[1] if len(__import__("sys").argv) > 1 else "float32", threads=2))
 target, drafter, ctl = eng.target, eng.drafter, eng.controller
 ar = Engine(target, None, make_controller("ar"), backend=eng.backend)
 prompts = [eng.chat_prompt_ids([{"role": "user", "content": p["prompt"]}]) for p in load_math(2)]
@@ -31,11 +31,16 @@ def run(e, label):
     d, v, o, s = (statistics.mean(p[i] for p in parts) for i in range(4))
     print(f"{label:28s} per step {1e3 * statistics.mean(tp):6.1f} ms  plan {1e3 * d:5.1f}  verify {1e3 * v:5.1f}  other {1e3 * o:5.1f}  tree {s:.2f}")
 
+def restrict(arms):
+    """Fresh gates (shared and each request's own) with only these arms."""
+    ctl.gate = SpeculationGate(arms=arms); ctl._batch_gates.clear()
+    ctl._gate_proto = (ctl.gate.alpha, ctl.gate.explore_every, ctl.gate.arms)
+
 for rep in range(2):
     run(ar, "ar")
-    ctl.gate = SpeculationGate(arms=("plain",)); ctl._batch_gates.clear()
+    restrict(("plain",))
     run(eng, "bastion, plain arm only")
-    ctl.gate = SpeculationGate(arms=("cheap", "plain")); ctl._batch_gates.clear()
+    restrict(("cheap", "plain"))
     run(eng, "bastion, cheap+plain arms")
-    ctl.gate = SpeculationGate(); ctl._batch_gates.clear()
+    restrict(("draft", "cheap", "plain"))
     run(eng, "bastion, all arms")

@@ -100,7 +100,6 @@ def simulate(ctl: BudgetController, marg: Marginals, steps: int, seed: int = 0, 
             n, acc = 1, 1
             ctl.record_step(1, c, float(true_seconds(1, c)) * (1 + 0.03 * rng.standard_normal()), 0.0, T_OTHER,
                             1.0, 1, drafted=False)
-        ctl.profiler.wait_refit()  # refits run in a thread: wait, so the run is reproducible
         sizes.append(n)
         c = c + acc if c < 700 else c0  # requests of ~400 tokens, one after another
     return sizes
