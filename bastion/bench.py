@@ -85,7 +85,7 @@ def run(args) -> int:
     import torch
 
     from bench.runner import BenchSettings, environment, load_prompt_sets, run_bench
-    from bastion.factory import build_budget_controller, no_drafter_reason, resolve_drafter
+    from bastion.factory import build_budget_controller, no_drafter_reason, resolve_drafter, warm_kernels
     from bastion.settings import settings_from_args
     from engine.loader import load_target
 

@@ -39,6 +39,7 @@ from controller.latency_model import LatencyModel
 from controller.metrics import TABLE_S, controller_metrics
 from controller.policy import AdaptivePolicy, BatchAdaptivePolicy, PolicySettings, default_settings
 from controller.profiler import OnlineProfiler, RunningMean
+from controller.sizing import RealisedSizes
 from controller.surrogate import SurrogateCalibrator, depth_mass
 from drafting.proposal import Proposal
 
@@ -129,6 +130,9 @@ class BudgetController:
         # The drafter's free proposals (a suffix index) are calibrated apart: their scores miss
         # in their own way, and pooled with the full drafter's they skewed both (docs/controller.md).
         self.surrogate_cheap = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
+        # Measured tokens per tree size, for the trees of full drafts and of free proposals apart.
+        self.sizes = {"draft": RealisedSizes(), "cheap": RealisedSizes()}
+        self._step_cap = self.settings.max_nodes  # the node cap the last single-sequence step was given
         self.table_every = table_every
         self.steps = 0
         self.step_kinds = {"draft": 0, "cheap": 0, "plain": 0}
@@ -206,9 +210,10 @@ class BudgetController:
         time is T_draft + T_other when the gate's choice is the full draft, T_other alone when it
         is the drafter's free proposal (which costs no drafter pass). state: the request's
         `sequence_state` (its own gate decides; None: the shared gate). A step that samples an
-        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes. When
-        the choice is plain decoding the policy allows one node (nothing is drafted) and no cost
-        table is computed."""
+        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes; a step of
+        its best arm at most the size of best measured throughput of that arm's trees
+        (`sizes`, controller/sizing.py). When the choice is plain decoding the policy allows one
+        node (nothing is drafted) and no cost table is computed."""
         st = self.settings
         gate = self.solo_gate(state)
         choice = gate.choice()
@@ -216,7 +221,11 @@ class BudgetController:
             return _PLAIN_POLICY
         draft_s = self.t_draft if choice == "draft" else 0.0
         costs = self.verify_costs(context_len)
-        max_nodes = self.probe_nodes(costs) if self._probing(gate) else st.max_nodes
+        if self._probing(gate):
+            max_nodes = self.probe_nodes(costs)
+        else:
+            max_nodes = self.sizes[choice].cap(costs, draft_s + self.t_other, st.max_nodes)
+        self._step_cap = max_nodes
         return AdaptivePolicy(costs, draft_s + self.t_other, min(st.min_nodes, max_nodes), max_nodes, st.bucket,
                               st.top_k)
 
@@ -477,7 +486,8 @@ class BudgetController:
 
     def record_step(self, s: int, c: int, verify_s: float, draft_s: float, other_s: float, a_hat: float,
                     accepted: int, *, drafted: bool = True, depth_mass: np.ndarray | None = None,
-                    cheap: bool = False, state: RequestGates | None = None) -> None:
+                    cheap: bool = False, state: RequestGates | None = None, path: Sequence[int] | None = None
+                    ) -> None:
         """Feed one finished step to the profiler, the gate and the surrogate check, then
         export the controller's gauges (latency predicted vs measured, T_draft, T_other, gate).
 
@@ -489,7 +499,9 @@ class BudgetController:
         surrogate check (`surrogate_cheap`) records it;
         depth_mass: `controller.surrogate.depth_mass` of the tree as built (after the matching
         check's correction), for per-depth reliability;
-        state: the request's `sequence_state` (its own gate and the shared gate are both credited).
+        state: the request's `sequence_state` (its own gate and the shared gate are both credited);
+        path: the accepted non-root node indices of a drafted or cheap step's tree, for the
+        measured tokens per tree size (`sizes`; None: not recorded there).
         A refit, when due, runs inline (controller/profiler.py: about 15 ms, every few hundred steps at most).
         """
         costs = self.verify_costs(c)
@@ -514,6 +526,8 @@ class BudgetController:
             self._add_plain(1, c, verify_s + other_s)
         if drafted or cheap:
             self.surrogate_for(cheap).record(a_hat, accepted, depth_mass)
+            if path is not None:
+                self.sizes["draft" if drafted else "cheap"].record(s, self._step_cap, path, accepted)
         self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
@@ -536,9 +550,15 @@ class BudgetController:
         """
         proposed = stats.drafted or stats.cheap
         mass = depth_mass(tree.depths, tree.log_scores, self.surrogate.max_depth) if proposed else None
+        path = None
+        if proposed:
+            parents, path, i = tree.parents.tolist(), [], stats.accepted_node
+            while i > 0:
+                path.append(i)
+                i = parents[i]
         self.record_step(stats.tree_size, stats.context_len, stats.verify_s, stats.draft_s, stats.other_s,
                          stats.a_hat, stats.accepted, drafted=stats.drafted, depth_mass=mass, cheap=stats.cheap,
-                         state=state)
+                         state=state, path=path)
 
     def snapshot(self) -> dict:
         """JSON-ready state for reports: steps by kind, the gates (SpeculationGate.snapshot), running T_draft / T_other
@@ -559,6 +579,7 @@ class BudgetController:
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
             "surrogate": sur, "surrogate_cheap": sur_cheap, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
             "batch_gates": {str(k): g.snapshot() for k, g in sorted(self._batch_gates.items())},
+            "sizes": {k: v.snapshot() for k, v in self.sizes.items()},
         }
 
     def update_table(self, context_len: int) -> None:

@@ -46,7 +46,8 @@ class StepStats:
     tree_size: nodes verified (root included); accepted: tokens committed this step
     (bonus included, after stop truncation); context_len: cached tokens before the step;
     a_hat: the tree's acceptance surrogate; drafted: whether the full drafter ran.
-    accepted_depth: deepest accepted tree node (0 when only the bonus was committed).
+    accepted_depth: depth of the deepest accepted tree node (0 when only the bonus was committed);
+    accepted_node: its index in the tree (0: the root).
     cheap: the tree came from the drafter's nearly free part (`Drafter.propose_cheap`)
     on a step where the controller had turned the full drafter off. prompt_tokens: other
     requests' prompt tokens prefilled in the same forward (`Engine.step_mixed`); the times
@@ -64,6 +65,7 @@ class StepStats:
     other_s: float
     cheap: bool = False
     prompt_tokens: int = 0
+    accepted_node: int = 0
 
     @property
     def kind(self) -> str:

@@ -579,7 +579,7 @@ class Engine:
             stats = StepStats(tree_size=tree.size, accepted=len(committed), accepted_depth=len(path) - 1,
                               context_len=context_len, a_hat=tree.a_hat, drafted=drafted, draft_s=draft_s,
                               verify_s=verify_s, other_s=load_s + commit_s, cheap=cheap,
-                              prompt_tokens=prompt_tokens)
+                              prompt_tokens=prompt_tokens, accepted_node=path[-1])
             seq.steps.append(stats)
             self.accounting.record(stats)
             if finish is not None:

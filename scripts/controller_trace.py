@@ -30,6 +30,11 @@ for spec in args.sets:
     name, _, n = spec.partition(":")
     prompts += [(name, eng.chat_prompt_ids([{"role": "user", "content": p["prompt"]}]))
                 for p in load_dataset(name, int(n or 2))]
+for e in engines.values():  # one short warm-up request per mode, as `bastion bench` runs
+    seq = e.start(prompts[0][1], SamplingParams(max_tokens=16))
+    while seq.finish_reason is None:
+        e.step(seq)
+    e.release(seq)
 tot = collections.defaultdict(lambda: [0, 0.0])
 kinds = collections.defaultdict(list)
 for _ in range(args.passes):
@@ -62,5 +67,5 @@ for k, sts in kinds.items():
           f"other {1e3*m(lambda s: s.other_s):4.1f} ms, tree {m(lambda s: s.tree_size):5.2f}, tokens {m(lambda s: s.accepted):.2f}, "
           f"A_hat {m(lambda s: s.a_hat):.2f}")
 snap = eng.controller.snapshot()
-print(json.dumps({k: snap[k] for k in ("steps", "gate", "t_draft_s", "t_other_s")}, default=str))
+print(json.dumps({k: snap[k] for k in ("steps", "gate", "t_draft_s", "t_other_s", "sizes")}, default=str))
 print("surrogate", json.dumps({k: snap["surrogate"].get(k) for k in ("mean_predicted", "mean_realised", "reliability")}, default=str))

@@ -15,7 +15,8 @@ from controller.latency_model import LatencyModel, LatencyParams
 from controller.policy import PolicySettings
 from controller.surrogate import SurrogateCalibrator, depth_mass
 from drafting.proposal import Marginals
-from engine.tree import build_tree
+from engine.accounting import StepStats
+from engine.tree import Tree, build_tree
 
 SHAPE = ModelShape(layers=30, hidden=576, n_q=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152, bytes_per_param=4,
                    tied_embeddings=True)
@@ -162,6 +163,30 @@ def test_a_plain_choice_gets_a_one_node_policy_without_a_cost_table():
     assert build_tree(7, None, pol, 0).size == 1
     gate.record("draft", 3.0, 1.2)  # its last sample beat plain: drafted again at once, full table
     assert ctl.policy_for_step(300, state).max_nodes > 1 and ctl._costs_key[0] == 288
+
+
+def test_drafted_steps_are_capped_at_the_size_their_accepted_paths_say_pays():
+    """observe walks the accepted path up the tree's parents; once sizes are measured, a step
+    of the gate's best arm is capped at the best measured size (controller/sizing.py)."""
+    ctl = make_controller()
+    state = ctl.sequence_state()
+    gate = ctl.solo_gate(state)
+    gate.record("draft", 3.0, 1.2)
+    gate.record("cheap", 0.5, 1.1)
+    assert ctl.policy_for_step(300, state).max_nodes == 256  # nothing measured: uncapped
+    # a 24-node chain-shaped tree (node i at depth i) of which only nodes 1 and 2 are ever
+    # accepted: 3 tokens at any size >= 3, so the cheapest such size wins
+    n = 24
+    tree = Tree(tokens=torch.arange(n), parents=torch.arange(-1, n - 1), depths=torch.arange(n), a_hat=5.0,
+                log_scores=torch.zeros(n))
+    for i in range(12):
+        stats = StepStats(tree_size=n, accepted=3, accepted_depth=2, context_len=300 + 3 * i, a_hat=5.0,
+                          drafted=True, draft_s=1e-3, verify_s=ctl.model.predict(n, 300), other_s=1e-4,
+                          accepted_node=2)
+        ctl.observe(stats, tree, state)
+    assert ctl.sizes["draft"].mean_tokens()[:4].tolist() == [2, 3, 3, 3]  # sizes 2, 3, 4, 6
+    assert gate.choice() == gate.best() == "draft"
+    assert ctl.policy_for_step(340, state).max_nodes == 3
 
 
 def test_running_estimates_and_policy_for_step():
