@@ -71,6 +71,11 @@ class RequestGates:
 #: step to compute (docs/controller.md, "The cost of the controller itself").
 COST_CONTEXT_STEP = 16
 
+#: Weight of one request's step in the shared gate's averages when the request's own gate decided
+#: it: the shared gate is what holds across requests (the machine, the drafter), so one hard
+#: prompt moves it a third as fast as it moves the request's own gate (about 20 samples of memory).
+SHARED_ALPHA = 0.05
+
 #: An exploration step's tree costs at most this many one-token verifications (`probe_nodes`).
 PROBE_COST = 1.5
 #: ... and may always grow this many nodes.
@@ -296,8 +301,8 @@ class BudgetController:
         per sequence, length the step's seconds over a plain step's (what the gate also scales
         exploration by). A plain step on which the free proposal was the choice (but found
         nothing) is the cheap arm's, at a plain step's gain and length. gate: the gate that
-        decided the step; also: a second gate credited with the same arm (the shared gate, when
-        a request's own gate decided)."""
+        decided the step; also: a second gate credited with the same arm at weight SHARED_ALPHA
+        (the shared gate, when a request's own gate decided)."""
         if drafted or cheap:
             arm = "draft" if drafted else "cheap"
         else:
@@ -305,7 +310,7 @@ class BudgetController:
             tokens, length = 1.0, 1.0
         for g in (gate, also) if also is not None and also is not gate else (gate,):
             if arm in g.gain and length is not None and 0 < length < float("inf") and 0 <= tokens < float("inf"):
-                g.record(arm, tokens / length, length)
+                g.record(arm, tokens / length, length, alpha=SHARED_ALPHA if g is also else None)
             else:  # a gate restricted to fewer arms (bastion calibrate drafts every step), or a bad timing
                 g.tick()
 

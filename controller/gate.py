@@ -48,6 +48,12 @@ MIN_PERIOD = 8
 R_MAX = 4.0
 #: Samples after which an arm's average is trusted for the full exploration period.
 CONFIDENT_SAMPLES = 4
+#: Samples an inherited average counts as (`inherit`): a request's own gate then needs about
+#: four of its own samples to overturn what every earlier request measured. At one sample, the
+#: first unlucky draft of a request (accepted lengths are geometric) halved the prior, and
+#: requests on which fixed trees ran 1.15-1.47x faster than plain decoding decided 80-95 % of
+#: their steps plain (docs/controller.md, "The cost of the controller itself").
+INHERIT_SAMPLES = 4
 
 
 class SpeculationGate:
@@ -120,10 +126,11 @@ class SpeculationGate:
         """True when the next step should run the full drafter."""
         return self.choice() == "draft"
 
-    def record(self, arm: str, gain: float = 1.0, length: float | None = None) -> None:
+    def record(self, arm: str, gain: float = 1.0, length: float | None = None, alpha: float | None = None) -> None:
         """One finished step that used `arm`, with its realised gain (ignored for "plain": 1) and
         its length: the step's seconds over a plain step's at the same context (None: unknown;
-        ignored for "plain": 1).
+        ignored for "plain": 1). alpha: this sample's weight instead of the gate's own (a
+        shared gate fed by requests' steps learns slower than the requests' own gates).
 
         Raises ValueError for an arm this gate does not have, a negative gain or a length <= 0.
         """
@@ -142,7 +149,7 @@ class SpeculationGate:
             gain = 1.0
         else:
             old = self.gain[arm]
-            w = max(self.alpha, 1.0 / self._n[arm])
+            w = max(self.alpha if alpha is None else alpha, 1.0 / self._n[arm])
             self.gain[arm] = gain if old is None else old + w * (gain - old)
             if length is not None:
                 old_len = self.length[arm]
@@ -156,14 +163,15 @@ class SpeculationGate:
         self.t += 1
 
     def inherit(self, other: "SpeculationGate") -> None:
-        """Start from another gate's averages (a new batch-size class from its neighbour's), each
-        counted as one sample, so this class's first own sample weighs half."""
+        """Start from another gate's averages (a request's own gate from the shared one, a new
+        batch-size class from its neighbour's), each counted as INHERIT_SAMPLES samples, so this
+        gate's own first sample weighs 1 / (INHERIT_SAMPLES + 1)."""
         for a in self.arms:
             if a != "plain" and other.gain.get(a) is not None:
                 self.gain[a] = other.gain[a]
                 self.length[a] = other.length.get(a)
                 self.last_gain[a] = other.gain[a]
-                self._n[a] = 1
+                self._n[a] = INHERIT_SAMPLES
 
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from controller.gate import SpeculationGate
+from controller.gate import INHERIT_SAMPLES, SpeculationGate
 
 
 def run(gate: SpeculationGate, gains: dict, steps: int, rng=None) -> list[str]:
@@ -140,8 +140,8 @@ def test_state_carries_and_a_new_class_inherits_its_neighbours_averages():
     assert b.choice() == "cheap"
     snap = b.snapshot()
     assert snap["choice"] == "cheap" and snap["gain"]["draft"] == a.gain["draft"]
-    b.record("cheap", 0.5)  # the inherited average counts as one sample: the first own one weighs half
-    assert b.gain["cheap"] == pytest.approx((a.gain["cheap"] + 0.5) / 2)
+    b.record("cheap", 0.5)  # the inherited average counts as INHERIT_SAMPLES samples
+    assert b.gain["cheap"] == pytest.approx((INHERIT_SAMPLES * a.gain["cheap"] + 0.5) / (INHERIT_SAMPLES + 1))
 
 
 def test_an_arm_with_few_samples_is_rechecked_sooner():
