@@ -57,9 +57,10 @@ class RequestGates:
     batch: arms draft and plain, judged by the request's marginal gain inside batched steps
     (docs/method.md, section 9). solo: the shared gate's arms (draft, cheap and plain when
     serving) for the steps it runs alone, created at its first such step from the controller's
-    shared gate, whose averages count as one sample each (docs/method.md, section 8): the request's own first sample of an arm then
-    weighs half, so a prompt on which an arm stops paying turns it down within a few steps,
-    while the shared gate, which every request's steps feed, keeps what holds across requests.
+    shared gate, whose averages count as gate.INHERIT_SAMPLES samples each (docs/method.md, section 8):
+    a prompt on which an arm stops paying turns it down within a few of its own steps, while the
+    shared gate, which every request's steps feed at weight SHARED_ALPHA, keeps what holds
+    across requests.
     """
 
     batch: SpeculationGate
