@@ -28,10 +28,11 @@ PREFILL_CHUNK = 2048
 
 
 class ContextLengthError(RequestError):
-    """Prompt + max_tokens exceed the target's context length (param: the prompt)."""
+    """Prompt + max_tokens exceed the target's context length (param: the prompt, or max_tokens
+    when it alone leaves no room for any prompt)."""
 
-    def __init__(self, message: str):
-        super().__init__(message, "messages")
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message, param)
 
 
 @dataclass
@@ -286,6 +287,9 @@ class Engine:
         limit = self.max_context()
         if prompt_len == 0:
             raise RequestError("the prompt is empty", "messages")
+        if max_tokens >= limit:
+            raise ContextLengthError(f"max_tokens ({max_tokens}) leaves no room for the prompt in the context "
+                                     f"length of {limit} tokens", "max_tokens")
         if prompt_len + max_tokens > limit:
             raise ContextLengthError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "

@@ -174,7 +174,8 @@ class OpenAIServing:
             params.validate()
             info.check_length(prompt_len, max_tokens)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
+            param = prompt_param if e.param == "messages" else e.param
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except RequestError as e:
             param = prompt_param if e.param == "messages" else e.param
             raise APIError(400, str(e), param=param, code="invalid_value") from None

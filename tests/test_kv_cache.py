@@ -76,8 +76,12 @@ def test_a_prompt_at_the_context_limit_is_refused_before_any_work():
     target = tiny_target(vocab=32, layers=2, hidden=32)
     eng = Engine(target)
     limit = eng.max_context()
-    with pytest.raises(ContextLengthError):
+    with pytest.raises(ContextLengthError) as err:
         eng.start([1] * (limit - 3), SamplingParams(max_tokens=4))
+    assert err.value.param == "messages"
+    with pytest.raises(ContextLengthError) as err:  # max_tokens alone leaves no room: it is named
+        eng.start([1, 2], SamplingParams(max_tokens=10 ** 9))
+    assert err.value.param == "max_tokens" and "10000000" in str(err.value).replace("_", "")
     assert eng.pool.free_slots == eng.pool.num_slots
     seq = eng.start([1] * (limit - 4), SamplingParams(max_tokens=4, ignore_eos=True))  # fits exactly
     while seq.finish_reason is None:

@@ -60,6 +60,8 @@ class FakeEngine:
         return {"input_ids": [1]}
 
     def check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if max_tokens >= self.max_context:  # as engine.Engine.check_length
+            raise ContextLengthError(f"max_tokens {max_tokens} >= {self.max_context}", "max_tokens")
         if prompt_len + max_tokens > self.max_context:
             raise ContextLengthError(f"{prompt_len} + {max_tokens} > {self.max_context}")
 
@@ -334,6 +336,11 @@ def test_request_limits_name_their_parameter():
         # A text completion that does not say how long gets OpenAI's 16, not the whole context.
         r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a"}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    with Server(ServerConfig()) as srv:  # no server limit: the context length names the culprit
+        for body, param in ((chat(max_tokens=10 ** 9), "max_tokens"), (chat(max_tokens=4094), "messages")):
+            r = httpx.post(f"{srv.url}{C}", json=body, timeout=30)
+            assert r.status_code == 400, (param, r.text)
+            assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_without_a_key_cross_site_browser_requests_are_refused():
