@@ -287,6 +287,9 @@ class Engine:
         limit = self.max_context()
         if prompt_len == 0:
             raise RequestError("the prompt is empty", "messages")
+        if prompt_len >= limit:
+            raise ContextLengthError(f"the prompt ({prompt_len} tokens) leaves no room for a completion in the "
+                                     f"context length of {limit} tokens")
         if max_tokens >= limit:
             raise ContextLengthError(f"max_tokens ({max_tokens}) leaves no room for the prompt in the context "
                                      f"length of {limit} tokens", "max_tokens")

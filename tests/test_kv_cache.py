@@ -82,6 +82,9 @@ def test_a_prompt_at_the_context_limit_is_refused_before_any_work():
     with pytest.raises(ContextLengthError) as err:  # max_tokens alone leaves no room: it is named
         eng.start([1, 2], SamplingParams(max_tokens=10 ** 9))
     assert err.value.param == "max_tokens" and "10000000" in str(err.value).replace("_", "")
+    with pytest.raises(ContextLengthError) as err:  # a prompt that fills the context is named alone
+        eng.start([1] * limit, SamplingParams(max_tokens=1))
+    assert err.value.param == "messages" and "max_tokens" not in str(err.value)
     assert eng.pool.free_slots == eng.pool.num_slots
     seq = eng.start([1] * (limit - 4), SamplingParams(max_tokens=4, ignore_eos=True))  # fits exactly
     while seq.finish_reason is None:
