@@ -1,4 +1,4 @@
-"""Online profiler: per-step timings, running T_draft / T_other, background refit on drift.
+"""Online profiler: per-step timings, running T_draft / T_other, inline refit on drift.
 
 Every step's verify time is compared with the model's prediction made before the step.
 When the mean absolute percentage error over the last `window` steps exceeds `threshold`
@@ -12,9 +12,9 @@ from Python, waited for it, and on a 2-core machine the two also fought for the 
 steps took 100-680 ms instead of 18 while a refit ran, and the verifications of a whole run
 were 1.2-1.8 ms (7-10 %) slower than with refits off. Why the bias condition: a fit cannot
 remove noise; on a noisy VM the error of an unbiased model crossed 15 % in bursts and started
-a refit every 100-200 plain steps, and a refit that does not cut the error by a fifth doubles
-the wait before the next check (up to MAX_WAIT windows). Drift checks run every CHECK_EVERY steps, not every step
-(each costs ~0.2 ms). Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
+a refit every 100-200 plain steps. For the same reason a refit that does not cut the error by
+a fifth doubles the wait before the next check (up to MAX_WAIT windows). Drift checks run
+every CHECK_EVERY steps, not every step (each costs ~0.2 ms). Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
 the controller itself").
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from controller.latency_model import LatencyModel, fit_model, mape
 log = logging.getLogger(__name__)
 
 #: Fit rounds of an online refit (controller.latency_model.fit_model), which starts from the
-#: current parameters: 2 rounds from one start cost a quarter of the calibration's fit.
+#: current parameters and the joint line fit: 2 rounds from these 2 starts cost 15-50 ms
+#: against ~70 ms for the calibration's 3 rounds from 4 starts (2-core EPYC).
 REFIT_ROUNDS = 2
 
 #: After refits that did not cut the error (noise, not drift), drift checks wait up to this
