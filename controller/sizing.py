@@ -72,7 +72,7 @@ class RealisedSizes:
         for j, n in enumerate(self.sizes):
             if n > tree_size and binding:
                 break
-            tok = min(accepted, 1 + bisect.bisect_left(path, min(n, tree_size)))
+            tok = min(accepted, 1 + bisect.bisect_left(path, n))  # path indices are all < tree_size
             self.tokens[j] += tok
             self.weight[j] += 1.0
 
