@@ -209,7 +209,7 @@ BAD = [
     ("negative max_tokens", C, {"messages": M, "max_tokens": -1}, {}, 400, "max_tokens", ""),
     ("zero max_tokens", C, {"messages": M, "max_tokens": 0}, {}, 400, "max_tokens", ""),
     ("max_tokens as string", C, {"messages": M, "max_tokens": "10"}, {}, 400, "max_tokens", "integer"),
-    ("huge max_tokens", C, {"messages": M, "max_tokens": 10**9}, {}, 400, "messages", "context length"),
+    ("huge max_tokens", C, {"messages": M, "max_tokens": 10**9}, {}, 400, "max_tokens", "context length"),
     ("fractional max_completion_tokens", C, {"messages": M, "max_completion_tokens": 1.5}, {}, 400,
      "max_completion_tokens", ""),
     ("temperature too high", C, {"messages": M, "temperature": 3.0}, {}, 400, "temperature", ""),
