@@ -17,6 +17,7 @@ ap.add_argument("sets", nargs="*", default=["humaneval:2", "mt-bench:2"])
 ap.add_argument("--tokens", type=int, default=128)
 ap.add_argument("--passes", type=int, default=2)
 ap.add_argument("--fixed", default="4,8")
+ap.add_argument("--sequence", action="store_true", help="print each bastion request's steps: kind letter, tokens")
 ap.add_argument("--slow", type=float, default=0.0, help="print bastion steps whose verify took more ms")
 args = ap.parse_args()
 torch.set_num_threads(2)
@@ -43,6 +44,7 @@ for _ in range(args.passes):
             seq = e.start(ids, SamplingParams(max_tokens=args.tokens))
             t0 = time.perf_counter()
             prev = "prefill"
+            letters = []
             while seq.finish_reason is None:
                 st = e.step(seq).step
                 if mode == "bastion":
@@ -52,10 +54,16 @@ for _ in range(args.passes):
                         print(f"slow {kind} step: tree {st.tree_size} context {st.context_len} verify "
                               f"{1e3 * st.verify_s:.1f} ms, refits so far {e.controller.profiler.refits}")
                     kinds[f"{kind} after {prev}"].append(st)
+                    letters.append(f"{kind[0].upper()}{st.accepted}")
                     prev = kind
                 elif mode == "ar":
                     kinds["ar"].append(st)
             dt = time.perf_counter() - t0
+            if letters and args.sequence:
+                g = getattr(seq.control, "solo", None)
+                print(f"{name} bastion: {' '.join(letters)}")
+                if g is not None:
+                    print("   request gate", {a: round(v, 2) if v else v for a, v in g.gain.items()})
             tot[(name, mode)][0] += seq.n_out - 1
             tot[(name, mode)][1] += dt
             e.release(seq)

@@ -141,7 +141,8 @@ def test_state_carries_and_a_new_class_inherits_its_neighbours_averages():
     snap = b.snapshot()
     assert snap["choice"] == "cheap" and snap["gain"]["draft"] == a.gain["draft"]
     b.record("cheap", 0.5)  # the inherited average counts as INHERIT_SAMPLES samples
-    assert b.gain["cheap"] == pytest.approx((INHERIT_SAMPLES * a.gain["cheap"] + 0.5) / (INHERIT_SAMPLES + 1))
+    w = max(b.alpha, 1 / (INHERIT_SAMPLES + 1))
+    assert b.gain["cheap"] == pytest.approx(a.gain["cheap"] + w * (0.5 - a.gain["cheap"]))
 
 
 def test_an_arm_with_few_samples_is_rechecked_sooner():
