@@ -148,6 +148,9 @@ class BudgetController:
         # Measured tokens per tree size, for the trees of full drafts and of free proposals apart.
         self.sizes = {"draft": RealisedSizes(), "cheap": RealisedSizes()}
         self._step_cap = self.settings.max_nodes  # the node cap the last single-sequence step was given
+        self._free_cap = 0  # the node cap of the free proposal tried first (`free_first`)
+        self._free_step = False  # this single-sequence step runs the free tree in the draft arm's place
+        self._last_free = False  # the last recorded step was such a step (for traces)
         self.table_every = table_every
         self.steps = 0
         self.step_kinds = {"draft": 0, "cheap": 0, "plain": 0}
@@ -225,11 +228,12 @@ class BudgetController:
         time is T_draft + T_other when the gate's choice is the full draft, T_other alone when it
         is the drafter's free proposal (which costs no drafter pass). state: the request's
         `sequence_state` (its own gate decides; None: the shared gate). A step that samples an
-        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes; a step of
-        its best arm at most the size of best measured throughput of that arm's trees
-        (`sizes`, controller/sizing.py). When the choice is plain decoding the policy allows one
+        arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes, and no
+        more than that arm's size of best measured throughput once one is known; a step of its
+        best arm at most that size (`sizes`, controller/sizing.py). When the choice is plain decoding the policy allows one
         node (nothing is drafted) and no cost table is computed."""
         st = self.settings
+        self._free_step = False
         gate = self.solo_gate(state)
         choice = gate.choice()
         if choice == "plain":
@@ -237,12 +241,50 @@ class BudgetController:
         draft_s = self.t_draft if choice == "draft" else 0.0
         costs = self.verify_costs(context_len)
         if self._probing(gate):
-            max_nodes = self.probe_nodes(costs)
+            # A sample judges the arm where it runs best: at its measured best size once known.
+            best = self.sizes[choice].best(costs, draft_s + self.t_other, st.max_nodes)
+            max_nodes = self.probe_nodes(costs) if best is None else min(best, self.probe_nodes(costs))
         else:
             max_nodes = self.sizes[choice].cap(costs, draft_s + self.t_other, st.max_nodes)
         self._step_cap = max_nodes
         return AdaptivePolicy(costs, draft_s + self.t_other, min(st.min_nodes, max_nodes), max_nodes, st.bucket,
                               st.top_k)
+
+    def free_first(self, context_len: int, state: RequestGates | None = None) -> AdaptivePolicy | None:
+        """On a single sequence's step whose gate's best arm is the full draft (not a sample of
+        it): the stopping policy for the drafter's free proposal (`Drafter.propose_cheap`), tried
+        before the drafter runs; None on any other step. Capped at the free proposals' size of best
+        measured throughput (`sizes`), or `probe_nodes` before one is known. The engine builds the
+        free tree and asks `free_suffices` whether the drafter's pass can be skipped
+        (docs/method.md, section 8, "Free proposals first")."""
+        self._free_step = False
+        gate = self.solo_gate(state)
+        if "cheap" not in gate.arms or gate.choice() != "draft" or self._probing(gate):
+            return None
+        st = self.settings
+        costs = self.verify_costs(context_len)
+        best = self.sizes["cheap"].best(costs, self.t_other, st.max_nodes)
+        self._free_cap = cap = self.probe_nodes(costs) if best is None else best
+        return AdaptivePolicy(costs, self.t_other, min(st.min_nodes, cap), cap, st.bucket, st.top_k)
+
+    def free_suffices(self, tree, context_len: int, state: RequestGates | None = None) -> bool:
+        """Is the free proposal's tree (built with `free_first`'s policy from the corrected free
+        proposal) expected to do at least as well as the full draft does on average? Its expected
+        gain A_hat x C(1) / C(n) (n tree tokens: a plain step's time scaled by the model's cost
+        ratio, no drafter pass) against the gate's average gain of the draft arm. When True the
+        step verifies the free tree and is credited to the draft arm: the arm is the policy "the
+        free tree when it suffices, else the full draft" (docs/method.md, section 8).
+        tree: engine.tree.Tree (its `size` and `a_hat`, tokens expected with the bonus)."""
+        g_draft = self.solo_gate(state).gain.get("draft")
+        if g_draft is None or tree.size <= 1:
+            return False
+        costs = self.verify_costs(context_len)
+        n = min(tree.size, len(costs) - 1)
+        if tree.a_hat * costs[1] / max(costs[n], 1e-12) < g_draft:
+            return False
+        self._free_step = True
+        self._step_cap = self._free_cap
+        return True
 
     @staticmethod
     def _probing(gate: SpeculationGate) -> bool:
@@ -306,15 +348,16 @@ class BudgetController:
         return gate
 
     def _record_arm(self, gate: SpeculationGate, drafted: bool, cheap: bool, tokens: float,
-                    length: float | None, also: SpeculationGate | None = None) -> None:
+                    length: float | None, also: SpeculationGate | None = None, free_step: bool = False) -> None:
         """Credit a finished step to the arm it used, at gain = tokens / length: tokens committed
         per sequence, length the step's seconds over a plain step's (what the gate also scales
         exploration by). A plain step on which the free proposal was the choice (but found
         nothing) is the cheap arm's, at a plain step's gain and length. gate: the gate that
         decided the step; also: a second gate credited with the same arm at weight SHARED_ALPHA
-        (the shared gate, when a request's own gate decided)."""
+        (the shared gate, when a request's own gate decided); free_step: a free tree run in the
+        draft arm's place (`free_suffices`), credited to the draft arm."""
         if drafted or cheap:
-            arm = "draft" if drafted else "cheap"
+            arm = "draft" if drafted or free_step else "cheap"
         else:
             arm = "cheap" if gate.choice() == "cheap" else "plain"
             tokens, length = 1.0, 1.0
@@ -543,7 +586,10 @@ class BudgetController:
             self.surrogate_for(cheap).record(a_hat, accepted, depth_mass)
             if path is not None:
                 self.sizes["draft" if drafted else "cheap"].record(s, self._step_cap, path, accepted)
-        self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate)
+        free_step, self._free_step = self._free_step and cheap, False
+        self._last_free = free_step
+        self._record_arm(self.solo_gate(state), drafted, cheap, accepted, length, also=self.gate,
+                         free_step=free_step)
         self.steps += 1
         kind = "draft" if drafted else "cheap" if cheap else "plain"
         self._last = (kind, c + int(accepted))

@@ -435,10 +435,17 @@ class Engine:
                 depths[r] = min(drafter.max_depth, remaining - 1)
         want = [r for r in range(b) if depths[r] > 0]
         drafted = bool(want) and controller.should_draft(b, alone)
+        proposals: dict[int, Proposal | None] = {}
+        trees: dict[int, Tree] = {}
+        if drafted and b == 1:  # the free proposal first: when it suffices, the drafter's pass is skipped
+            free = self._free_instead(seqs[0], depths[0], alone, failed)
+            if free is not None or failed:
+                drafted, want = False, []
+                if free is not None:
+                    proposals[0], trees[0] = free
         if drafted and b > 1:  # each sequence's own gate: does drafting pay for this request?
             want = [r for r in want if controller.sequence_drafts(seqs[r].control)]
             drafted = bool(want)
-        proposals: dict[int, Proposal | None] = {}
         if want and drafted:
             try:
                 outs = drafter.propose_batch([seqs[r].drafter_state for r in want], [seqs[r].root for r in want],
@@ -462,14 +469,13 @@ class Engine:
                     failed[r] = e
         live = [r for r in range(b) if r not in failed]
         for r in live:
-            if proposals.get(r) is not None:
+            if proposals.get(r) is not None and r not in trees:  # a free tree run instead is corrected already
                 try:
                     proposals[r] = controller.correct(proposals[r], cheap=not drafted)
                 except Exception as e:  # noqa: BLE001
                     failed[r] = e
         live = [r for r in live if r not in failed]
         max_depths = {r: depths[r] if proposals.get(r) is not None else 0 for r in live}
-        trees: dict[int, Tree] = {}
         if batch_policy is not None:
             try:
                 trees = dict(zip(live, build_trees([seqs[r].root for r in live], [proposals.get(r) for r in live],
@@ -491,6 +497,27 @@ class Engine:
             has = proposals.get(r) is not None
             plans[r] = (tree, drafted and r in proposals, has and not drafted)
         return plans
+
+    def _free_instead(self, seq: Sequence, depth: int, state: object, failed: dict[int, Exception]
+                      ) -> tuple[Proposal, Tree] | None:
+        """A single sequence's step that would draft: (the corrected free proposal, its tree) when
+        the controller finds that tree enough (`free_first`, `free_suffices`; controllers without
+        them always draft), else None. The proposal's own error goes to failed[0]."""
+        controller = self.controller
+        first = getattr(controller, "free_first", None)
+        policy = first(seq.prefix_len, state) if first is not None and depth > 0 else None
+        if policy is None:
+            return None
+        try:
+            free = self.drafter.propose_cheap(seq.drafter_state, seq.root, depth)
+            if free is None:
+                return None
+            free = controller.correct(free, cheap=True)
+            tree = build_tree(seq.root, free, policy, depth)
+            return (free, tree) if controller.free_suffices(tree, seq.prefix_len, state) else None
+        except Exception as e:  # noqa: BLE001 - this sequence's failure
+            failed[0] = e
+            return None
 
     def step_batch(self, seqs: list[Sequence]) -> list[GenerationEvent | Exception]:
         """One decoding step for several running sequences: `step_mixed` without prompt chunks

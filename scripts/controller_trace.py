@@ -37,6 +37,7 @@ for e in engines.values():  # one short warm-up request per mode, as `bastion be
         e.step(seq)
     e.release(seq)
 tot = collections.defaultdict(lambda: [0, 0.0])
+phases = collections.defaultdict(float)  # the steps' own phase times, to compare with the wall time
 kinds = collections.defaultdict(list)
 for _ in range(args.passes):
     for name, ids in prompts:
@@ -47,8 +48,11 @@ for _ in range(args.passes):
             letters = []
             while seq.finish_reason is None:
                 st = e.step(seq).step
+                phases[(name, mode)] += st.draft_s + st.verify_s + st.other_s
                 if mode == "bastion":
                     kind = "draft" if st.drafted else "cheap" if st.cheap else "plain"
+                    if st.cheap and e.controller._last_free:
+                        kind = "free"
                     kinds[kind].append(st)
                     if args.slow and st.verify_s > args.slow / 1e3:
                         print(f"slow {kind} step: tree {st.tree_size} context {st.context_len} verify "
@@ -56,19 +60,21 @@ for _ in range(args.passes):
                     kinds[f"{kind} after {prev}"].append(st)
                     letters.append(f"{kind[0].upper()}{st.accepted}")
                     prev = kind
-                elif mode == "ar":
-                    kinds["ar"].append(st)
+                else:
+                    kinds[mode].append(st)
             dt = time.perf_counter() - t0
             if letters and args.sequence:
                 g = getattr(seq.control, "solo", None)
                 print(f"{name} bastion: {' '.join(letters)}")
                 if g is not None:
-                    print("   request gate", {a: round(v, 2) if v else v for a, v in g.gain.items()})
+                    print("   request gate", {a: round(v, 2) if v else v for a, v in g.gain.items()},
+                          "shared", {a: round(v, 2) if v else v for a, v in e.controller.gate.gain.items()})
             tot[(name, mode)][0] += seq.n_out - 1
             tot[(name, mode)][1] += dt
             e.release(seq)
 for (name, mode), (n, s) in sorted(tot.items()):
-    print(f"{name:10s} {mode:8s} {n / s:6.1f} tok/s  ({n / s / (tot[(name, 'ar')][0] / tot[(name, 'ar')][1]):.2f}x AR)")
+    print(f"{name:10s} {mode:8s} {n / s:6.1f} tok/s  ({n / s / (tot[(name, 'ar')][0] / tot[(name, 'ar')][1]):.2f}x AR)"
+          f"  wall {s:.2f} s, steps' phases {phases[(name, mode)]:.2f} s")
 for k, sts in kinds.items():
     m = lambda f: statistics.mean(f(s) for s in sts)
     print(f"bastion {k:6s} {len(sts):4d} steps: draft {1e3*m(lambda s: s.draft_s):5.1f} verify {1e3*m(lambda s: s.verify_s):5.1f} "

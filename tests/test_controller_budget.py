@@ -497,3 +497,53 @@ def test_requests_gates_keep_their_best_arm_despite_geometric_accepted_lengths(m
     before = _requests_realised(0.15, 4, monkeypatch)
     assert now >= 0.93, now
     assert 1 - now <= 0.75 * (1 - before), (now, before)
+
+
+def test_the_draft_arm_tries_the_free_tree_first_and_is_credited_with_it():
+    """Only on a step of the draft arm as the gate's best (not a sample of it) is a free tree
+    tried first; it replaces the draft when A_hat x C(1) / C(n) reaches the draft arm's average
+    gain, and that step is credited to the draft arm; its cap is the free trees' best measured size."""
+    from types import SimpleNamespace
+    ctl = make_controller()
+    c = 300
+    costs = ctl.verify_costs(c)
+    state = ctl.sequence_state()
+    gate = ctl.solo_gate(state)
+    assert gate.choice() == "draft" and ctl.free_first(c, state) is None  # untried: a sample
+    gate.record("draft", 1.5, 1.4)
+    gate.record("cheap", 0.8, 1.1)
+    assert gate.best() == "draft"
+    policy = ctl.free_first(c, state)
+    assert policy is not None and policy.max_nodes == ctl.probe_nodes(costs)  # no free size measured yet
+    n = 4
+    need = gate.gain["draft"] * costs[n] / costs[1]  # the A_hat at which the free tree suffices
+    assert not ctl.free_suffices(SimpleNamespace(size=n, a_hat=0.99 * need), c, state)
+    assert not ctl.free_suffices(SimpleNamespace(size=1, a_hat=9.0), c, state)  # a root alone is plain
+    assert ctl.free_suffices(SimpleNamespace(size=n, a_hat=1.01 * need), c, state)
+    before = dict(gate.samples)
+    ctl.record_step(n, c, costs[n], 2e-4, 5e-4, 1.01 * need, 3, drafted=False, cheap=True, state=state)
+    assert gate.samples["draft"] == before["draft"] + 1 and gate.samples["cheap"] == before["cheap"]
+    # the next free step of the plain arm's choice is the cheap arm's again
+    ctl.record_step(n, c, costs[n], 2e-4, 5e-4, 2.0, 2, drafted=False, cheap=True, state=state)
+    assert gate.samples["cheap"] == before["cheap"] + 1
+    # plain as the best arm: nothing is tried first
+    for _ in range(30):
+        gate.record("draft", 0.3, 1.4)
+        gate.record("cheap", 0.3, 1.1)
+    assert gate.best() == "plain" and ctl.free_first(c, state) is None
+
+
+def test_a_sample_of_an_arm_runs_at_that_arms_best_measured_size():
+    """An exploration step of an arm whose trees' best size is measured is capped there (and at
+    probe_nodes): the gate then judges the arm where it runs best, not at a probe's size."""
+    ctl = make_controller()
+    c = 300
+    costs = ctl.verify_costs(c)
+    for _ in range(12):  # every measured tree committed its first node and the bonus: 2 nodes suffice
+        ctl.sizes["draft"].record(8, 8, [1], 2)
+    best = ctl.sizes["draft"].best(costs, ctl.t_draft + ctl.t_other, 256)
+    assert best == 2
+    state = ctl.sequence_state()
+    gate = ctl.solo_gate(state)
+    assert gate.choice() == "draft" and ctl._probing(gate)
+    assert ctl.policy_for_step(c, state).max_nodes == min(best, ctl.probe_nodes(costs))

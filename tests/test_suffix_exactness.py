@@ -152,3 +152,55 @@ def test_gate_off_steps_verify_the_free_suffix_tree_and_stay_exact(target_f32, r
     assert calls == []
     assert cheap_accepted and max(cheap_accepted) > 2
     assert gate_off.corrected and all(gate_off.corrected)
+
+
+class _FreeFirst(FixedController):
+    """A controller that drafts every step but takes the free tree instead whenever it has at
+    least `min_nodes` nodes (what `BudgetController.free_suffices` decides from costs)."""
+
+    def __init__(self, budget, min_nodes):
+        super().__init__(make_controller("tree", budget).policy)
+        self.min_nodes = min_nodes
+        self.asked = 0
+        self.corrected: list[bool] = []
+
+    def correct(self, proposal, cheap=False):
+        self.corrected.append(cheap)
+        return proposal
+
+    def free_first(self, context_len, state=None):
+        self.asked += 1
+        return self.policy
+
+    def free_suffices(self, tree, context_len, state=None):
+        return tree.size >= self.min_nodes
+
+
+def test_free_tree_run_in_the_drafts_place_skips_the_drafter_and_stays_exact(target_f32, random_drafter,
+                                                                              references):
+    """A step that would draft first builds the free (suffix) tree; where the controller finds it
+    enough the drafter's pass is skipped and that tree is verified, once corrected as a free
+    proposal; elsewhere the full draft runs. The output equals AR either way."""
+    calls = []
+
+    class Counting(HybridDrafter):
+        def propose_batch(self, *a, **kw):
+            calls.append(1)
+            return super().propose_batch(*a, **kw)
+
+    ctl = _FreeFirst(16, min_nodes=3)
+    eng = Engine(target_f32, Counting(random_drafter, SuffixDrafter()), ctl)
+    free_steps = drafted_steps = 0
+    for ids, ref in references:
+        r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert r.token_ids == ref
+        for s in r.steps:
+            assert not (s.drafted and s.cheap)
+            free_steps += s.cheap
+            drafted_steps += s.drafted
+            if s.cheap:
+                assert s.tree_size >= 3
+    assert free_steps > 0 and drafted_steps > 0
+    assert len(calls) == drafted_steps  # the drafter ran exactly on the steps that drafted
+    # every free proposal built was corrected once, as free; every full draft once, as not free
+    assert ctl.corrected.count(False) == drafted_steps and ctl.corrected.count(True) >= free_steps
