@@ -74,17 +74,8 @@ COST_CONTEXT_STEP = 16
 
 #: Weight of one request's step in the shared gate's averages when the request's own gate decided
 #: it: the shared gate is what holds across requests (the machine, the drafter), so one hard
-#: prompt moves it slower than the request's own gate, whose first own samples weigh 1 / 9, 1 / 10, ...
-#: (about 20 samples of memory).
+#: prompt moves it a third as fast as it moves the request's own gate (about 20 samples of memory).
 SHARED_ALPHA = 0.05
-
-#: The most a request's own gate weighs one of its own steps once its running mean of (prior,
-#: samples) has more than 1 / REQUEST_ALPHA samples. Accepted lengths are geometric (one drafted
-#: step's gain spreads by about 70 % of its mean), so at 0.15 a request's average of an arm worth
-#: 1.22x fell below the next arm often enough to cost 9.5 % of the throughput of always using the
-#: best arm, and at 0.05 (with a prior of gate.INHERIT_SAMPLES = 8) 6 % (100-step requests, three
-#: arms: tests/test_controller_budget.py; docs/method.md, section 8).
-REQUEST_ALPHA = 0.05
 
 #: An exploration step's tree costs at most this many one-token verifications (`probe_nodes`).
 PROBE_COST = 1.5
@@ -329,7 +320,7 @@ class BudgetController:
             return self.gate
         if state.solo is None:
             alpha, every, arms = self._gate_proto
-            state.solo = SpeculationGate(min(alpha, REQUEST_ALPHA), every, arms)
+            state.solo = SpeculationGate(alpha, every, arms)
             state.solo.inherit(self.gate)
         return state.solo
 

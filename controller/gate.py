@@ -48,14 +48,13 @@ MIN_PERIOD = 8
 R_MAX = 4.0
 #: Samples after which an arm's average is trusted for the full exploration period.
 CONFIDENT_SAMPLES = 4
-#: Samples an inherited average counts as (`inherit`): a request's own gate then needs several
-#: of its own samples to overturn what every earlier request measured (seven at a shared gain of
-#: 1.3 and own gains of 0.6; controller.budget.REQUEST_ALPHA). At one sample, the
+#: Samples an inherited average counts as (`inherit`): a request's own gate then needs about
+#: four of its own samples to overturn what every earlier request measured. At one sample, the
 #: first unlucky draft of a request (accepted lengths are geometric) halved the prior: 58-62 %
 #: of the benchmark's steps stayed plain, and on HumanEval, where fixed 4-16-node trees ran
 #: 1.15-1.47x faster than plain decoding, bastion committed 1.13 tokens a step in float32
 #: (docs/controller.md, "The cost of the controller itself").
-INHERIT_SAMPLES = 8
+INHERIT_SAMPLES = 4
 
 
 class SpeculationGate:

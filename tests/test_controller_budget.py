@@ -7,7 +7,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from controller import profiler as profiler_mod
-from controller.budget import COST_CONTEXT_STEP, REQUEST_ALPHA, BudgetController
+from controller.budget import COST_CONTEXT_STEP, BudgetController
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
 from controller.gate import INHERIT_SAMPLES, R_MAX
@@ -416,8 +416,7 @@ def test_each_request_turns_drafting_down_on_its_own_and_the_next_starts_from_th
         n += 1
         expected += 1
         g += max(hard.solo.alpha, 1.0 / n) * (g_hard - g)
-    assert hard.solo.alpha == REQUEST_ALPHA
-    assert first_plain == expected and 2 <= expected <= 10, (first_plain, g_prior, g_hard)
+    assert first_plain == expected and 2 <= expected <= 8, (first_plain, g_prior, g_hard)
     assert hard.solo.best() == "plain"
     assert kinds[first_plain:].count("draft") <= 8  # re-sampled now and then, never locked out
     assert ctl.gate.best() == "draft"  # the shared gate moved by SHARED_ALPHA per sample
@@ -454,49 +453,6 @@ def test_exploration_steps_grow_small_trees_the_best_arm_full_ones():
     # A flat cost curve (a GPU's) lets probes grow as far as 1.5 C(1) reaches.
     flat = [0.0] + [0.01 + 1e-6 * n for n in range(1, 257)]
     assert ctl.probe_nodes(flat) == 256
-
-
-def _requests_realised(alpha: float, inherit: int, monkeypatch, seeds: int = 20) -> float:
-    """Throughput of requests' own gates (100 steps each, started from a shared gate fed at
-    SHARED_ALPHA) over always using each request's best arm, by expectation: a full draft worth
-    1.22x with geometric accepted lengths (mean 1.95 tokens at 1.6 plain steps), a free proposal
-    worth 1.12x with a heavy tail (35 % of steps hit, mean 1.3 tokens at 1.16 plain steps)."""
-    from controller import gate as gate_module
-    from controller.budget import SHARED_ALPHA
-    from controller.gate import SpeculationGate
-    monkeypatch.setattr(gate_module, "INHERIT_SAMPLES", inherit)
-    length = {"draft": 1.6, "cheap": 1.16, "plain": 1.0}
-    mean, hit = {"draft": 1.95, "cheap": 1.3}, {"draft": 0.75, "cheap": 0.35}
-    ratios = []
-    for seed in range(seeds):
-        rng = np.random.default_rng(seed)
-        shared = SpeculationGate()
-        tokens = time = 0.0
-        for _ in range(12):
-            own = SpeculationGate(alpha, shared.explore_every)
-            own.inherit(shared)
-            for _ in range(100):
-                arm = own.choice()
-                n = 1
-                if arm != "plain" and rng.random() < hit[arm]:
-                    n = int(rng.geometric(1.0 / (1.0 + (mean[arm] - 1.0) / hit[arm])))
-                own.record(arm, n / length[arm], length[arm])
-                shared.record(arm, n / length[arm], length[arm], alpha=SHARED_ALPHA)
-                tokens, time = tokens + n, time + length[arm]
-        ratios.append(tokens / time / (mean["draft"] / length["draft"]))
-    return float(np.mean(ratios))
-
-
-def test_requests_gates_keep_their_best_arm_despite_geometric_accepted_lengths(monkeypatch):
-    """Each request's own gate weighs its own steps at most REQUEST_ALPHA after a prior of
-    INHERIT_SAMPLES: against the noise of accepted lengths it keeps a 1.22x drafter for most
-    steps: it loses about 6 % of always using the best arm where the earlier 0.15 after four
-    inherited samples lost about 9.5 %."""
-    from controller.gate import INHERIT_SAMPLES
-    now = _requests_realised(REQUEST_ALPHA, INHERIT_SAMPLES, monkeypatch)
-    before = _requests_realised(0.15, 4, monkeypatch)
-    assert now >= 0.93, now
-    assert 1 - now <= 0.75 * (1 - before), (now, before)
 
 
 def test_the_draft_arm_tries_the_free_tree_first_and_is_credited_with_it():
