@@ -123,7 +123,12 @@ class ModelInfo:
 
 
 class StepController(Protocol):
-    """What the engine asks each step; the fixed modes and the adaptive controller implement it."""
+    """What the engine asks each step; the fixed modes and the adaptive controller implement it.
+
+    Optional: `free_first(context_len, state) -> StoppingPolicy | None` and
+    `free_suffices(tree, context_len, state) -> bool` let a controller have a single sequence's
+    drafting step try the drafter's free proposal first and skip the drafter's pass when that
+    tree suffices (controller.budget.BudgetController; `Engine._free_instead`)."""
 
     def policy_for_step(self, context_len: int, state: object = None) -> StoppingPolicy:
         """Stopping policy for a step whose target cache holds context_len tokens (state: the
