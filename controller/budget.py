@@ -221,8 +221,8 @@ class BudgetController:
         `sequence_state` (its own gate decides; None: the shared gate). A step that samples an
         arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes, and no
         more than that arm's size of best measured throughput once one is known; a step of its
-        best arm at most that size (`sizes`, controller/sizing.py). When the choice is plain decoding the policy allows one
-        node (nothing is drafted) and no cost table is computed."""
+        best arm at most that size (`sizes`, controller/sizing.py). When the choice is plain
+        decoding the policy allows one node (nothing is drafted) and no cost table is computed."""
         st = self.settings
         self._free_step = False
         gate = self.solo_gate(state)
