@@ -96,7 +96,7 @@ def _drafters(random_drafter):
 
 def test_engine_finish_feeds_the_global_index(target_f32, random_drafter, references):
     """The engine calls finish() at request end and the output lands in the global index,
-    through the hybrid too (today less the last step's root: see the strict xfail below)."""
+    through the hybrid too (the last step's root included)."""
     ids, ref = references[0]
     for drafter, suffix in _drafters(random_drafter):
         out, stored = _finished_output(target_f32, drafter, suffix, ids)
