@@ -168,3 +168,37 @@ def test_reserve_slots_grows_the_pool_once_and_never_shrinks_it():
     assert eng.pool.num_slots == 4 and eng.pool.free_slots == 0  # no grow while four run
     for s in seqs:
         eng.release(s)
+
+
+def test_auto_dtype_is_measured_once_and_kept_for_later_starts(monkeypatch, tmp_path):
+    """dtype 'auto' keeps its first measured choice in the cache directory: a later start reads
+    it back (no timing, same dtype), a different target name measures anew."""
+    import engine.loader as loader
+    import engine.timing as timing
+
+    monkeypatch.setenv("BASTION_CACHE", str(tmp_path))
+    calls = []
+    real = timing.choose_dtype
+
+    def counted(model, **kw):
+        calls.append(1)
+        return real(model, sizes=(1,), context=8, repeats=1)
+
+    def slower_in_float32(model, *args, **kwargs):
+        measure = real_timer(model, *args, **kwargs)
+        return lambda b, s, c: measure(b, s, c) + (1.0 if model.dtype == torch.float32 else 0.0)
+
+    real_timer = timing.batch_verify_timer
+    monkeypatch.setattr(timing, "choose_dtype", counted)
+    monkeypatch.setattr(timing, "batch_verify_timer", slower_in_float32)
+    first = tiny_target(vocab=32, layers=2, hidden=32)
+    dtype, costs = loader.auto_dtype(first.model, "tiny", (1,), 1)
+    assert dtype == torch.bfloat16 and first.model.dtype == torch.bfloat16 and len(calls) == 1
+    assert len(list((tmp_path / "dtype").glob("tiny-*.json"))) == 1
+    monkeypatch.setattr(timing, "batch_verify_timer", real_timer)  # a second measurement could differ
+    later = tiny_target(vocab=32, layers=2, hidden=32)
+    again, kept = loader.auto_dtype(later.model, "tiny", (1,), 1)
+    assert again == torch.bfloat16 and later.model.dtype == torch.bfloat16 and kept == costs
+    assert len(calls) == 1  # read back, not measured
+    loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "other", (1,), 1)
+    assert len(calls) == 2
