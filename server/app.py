@@ -172,7 +172,7 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
         """Raises APIError(401) unless `Authorization: Bearer <api_key>` matches (when a key is set)."""
         _check_bearer(request, config.api_key)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     async def health():
         if scheduler.draining:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",

@@ -153,11 +153,13 @@ class _SamplingFields(_Strict):
             raise ValueError("logit_bias is not supported")
         return v
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info):
+        # a field validator (stream is declared before it), so the error names stream_options
+        if v is not None and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

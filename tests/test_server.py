@@ -226,7 +226,7 @@ BAD = [
     ("empty stop string", C, {"messages": M, "stop": [""]}, {}, 400, "stop", "non-empty"),
     ("stream as string", C, {"messages": M, "stream": "yes"}, {}, 400, "stream", "boolean"),
     ("stream_options without stream", C, {"messages": M, "stream_options": {"include_usage": True}}, {}, 400,
-     None, "stream_options"),
+     "stream_options", "stream_options"),
     ("logprobs", C, {"messages": M, "logprobs": True}, {}, 400, "logprobs", "not supported"),
     ("top_logprobs", C, {"messages": M, "top_logprobs": 2}, {}, 400, "top_logprobs", "not supported"),
     ("presence penalty", C, {"messages": M, "presence_penalty": 0.5}, {}, 400, "presence_penalty", "not supported"),
@@ -506,6 +506,8 @@ def test_health_is_503_until_the_model_is_ready(live):
                         break
                     await asyncio.sleep(0.05)
                 assert (await http.get("/health")).json() == {"status": "ok"}
+                head = await http.head("/health")  # load balancers probe with HEAD
+                assert head.status_code == 200 and head.content == b""
 
     asyncio.run(scenario())
 
