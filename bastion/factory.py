@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from bastion.settings import MODES, EngineSettings
+from controller.ceilings import device_name
 from drafting.base import Drafter
 from engine.attention import select_backend
 from engine.engine import Engine, StepController, make_controller
@@ -81,8 +82,9 @@ def build_engine(settings: EngineSettings, target: Target | None = None, max_bat
         raise ConfigError(f"unknown mode '{settings.mode}' (choose from {', '.join(MODES)})")
     # dtype 'auto' weighs what the mode verifies: one token for plain decoding, trees otherwise.
     sizes = (1,) if settings.mode == "ar" else (1, 16)
+    # The machine's identity keys the kept dtype choice (engine.loader.auto_dtype).
     target = target or load_target(settings.target, settings.dtype, settings.device, auto_sizes=sizes,
-                                   auto_batch=max_batch)
+                                   auto_batch=max_batch, machine=device_name(settings.device))
     # 'auto': sdpa on a CPU, else the fastest backend measured on the device.
     backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)

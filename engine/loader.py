@@ -162,22 +162,24 @@ def resolve_target(spec: str | None) -> tuple[str, Path | str]:
     raise TargetLoadError(f"target '{spec}' is neither an existing path nor a Hugging Face id of the form org/name")
 
 
-def auto_dtype(model, name: str, sizes: tuple[int, ...] = (1, 16), batch: int = 1
+def auto_dtype(model, name: str, sizes: tuple[int, ...] = (1, 16), batch: int = 1, machine: str | None = None
                ) -> tuple[torch.dtype, dict[str, float]]:
-    """dtype 'auto' for a loaded target: engine.timing.choose_dtype's measured choice, kept in
-    $BASTION_CACHE/dtype/ per (target name, device identity with its CPU flags, cores and
-    threads, torch version, sizes, batch) and read back on later starts. Float32 and bfloat16
-    can time within a few percent of each other (a CPU without bfloat16 matrix units), and a
-    fresh measurement at every start then flipped the choice between restarts, and with it
-    the outputs and the calibration to load. Delete the file to measure again.
+    """dtype 'auto' for a loaded target: engine.timing.choose_dtype's measured choice. With
+    `machine` (the device's identity: its CPU flags, cores and threads, as
+    controller.ceilings.device_name gives it) the choice is kept in $BASTION_CACHE/dtype/ per
+    (target name, machine, torch version, sizes, batch) and read back on later starts; without,
+    it is measured every time. Float32 and bfloat16 can time within a few percent of each other
+    (a CPU without bfloat16 matrix units), and a fresh measurement at every start then flipped
+    the choice between restarts, and with it the outputs and the calibration to load. Delete
+    the file to measure again.
     Returns (dtype, {dtype name: seconds}); the model is converted to the dtype if needed."""
     import json
 
-    from controller.ceilings import device_name
     from engine.timing import choose_dtype
 
-    device = next(model.parameters()).device
-    key = f"{name}|{device_name(device)}|{torch.__version__}|{tuple(sizes)}|{batch}"
+    if machine is None:
+        return choose_dtype(model, sizes=sizes, batch=batch)
+    key = f"{name}|{machine}|{torch.__version__}|{tuple(sizes)}|{batch}"
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[-60:]
     path = cache_root() / "dtype" / f"{safe}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     try:
@@ -203,14 +205,15 @@ def auto_dtype(model, name: str, sizes: tuple[int, ...] = (1, 16), batch: int = 
 
 
 def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                auto_sizes: tuple[int, ...] = (1, 16), auto_batch: int = 1) -> Target:
+                auto_sizes: tuple[int, ...] = (1, 16), auto_batch: int = 1, machine: str | None = None) -> Target:
     """Load a target model and tokenizer with transformers.
 
     spec: see `resolve_target`. dtype: 'float32' or 'bfloat16' (weights and compute), or
     'auto': the one whose verification is cheaper here, measured at the first load (a few
     seconds; engine.timing.choose_dtype over trees of `auto_sizes` nodes, (1,) for plain
     decoding, and a batched step of `auto_batch` sequences when a server decodes that many
-    together) and kept in the cache directory for later loads (`auto_dtype`).
+    together), kept in the cache directory for later loads when `machine` identifies the
+    device (`auto_dtype`).
     A GGUF file is converted once (about 15 s) and then read from the cache directory.
     Raises TargetLoadError (bad path, unknown format, unsupported architecture, load failure).
     """
@@ -241,5 +244,5 @@ def load_target(spec: str | None = None, dtype: str | torch.dtype = "float32", d
     model.requires_grad_(False)
     costs: dict = {}
     if auto:
-        torch_dtype, costs = auto_dtype(model, name, auto_sizes, auto_batch)
+        torch_dtype, costs = auto_dtype(model, name, auto_sizes, auto_batch, machine)
     return Target(model=model, tokenizer=tok, name=name, dtype=torch_dtype, dtype_costs=costs)

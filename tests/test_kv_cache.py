@@ -171,8 +171,8 @@ def test_reserve_slots_grows_the_pool_once_and_never_shrinks_it():
 
 
 def test_auto_dtype_is_measured_once_and_kept_for_later_starts(monkeypatch, tmp_path):
-    """dtype 'auto' keeps its first measured choice in the cache directory: a later start reads
-    it back (no timing, same dtype), a different target name measures anew."""
+    """dtype 'auto' keeps its first measured choice in the cache directory: a later start on the
+    same machine reads it back (no timing, same dtype); another target or machine measures anew."""
     import engine.loader as loader
     import engine.timing as timing
 
@@ -192,13 +192,17 @@ def test_auto_dtype_is_measured_once_and_kept_for_later_starts(monkeypatch, tmp_
     monkeypatch.setattr(timing, "choose_dtype", counted)
     monkeypatch.setattr(timing, "batch_verify_timer", slower_in_float32)
     first = tiny_target(vocab=32, layers=2, hidden=32)
-    dtype, costs = loader.auto_dtype(first.model, "tiny", (1,), 1)
+    dtype, costs = loader.auto_dtype(first.model, "tiny", (1,), 1, "cpu A (2 cores)")
     assert dtype == torch.bfloat16 and first.model.dtype == torch.bfloat16 and len(calls) == 1
     assert len(list((tmp_path / "dtype").glob("tiny-*.json"))) == 1
     monkeypatch.setattr(timing, "batch_verify_timer", real_timer)  # a second measurement could differ
     later = tiny_target(vocab=32, layers=2, hidden=32)
-    again, kept = loader.auto_dtype(later.model, "tiny", (1,), 1)
+    again, kept = loader.auto_dtype(later.model, "tiny", (1,), 1, "cpu A (2 cores)")
     assert again == torch.bfloat16 and later.model.dtype == torch.bfloat16 and kept == costs
     assert len(calls) == 1  # read back, not measured
-    loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "other", (1,), 1)
+    loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "other", (1,), 1, "cpu A (2 cores)")
     assert len(calls) == 2
+    loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "tiny", (1,), 1, "cpu B (2 cores)")
+    assert len(calls) == 3  # another machine measures anew
+    loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "tiny", (1,), 1)
+    assert len(calls) == 4  # without the machine's identity nothing is kept
