@@ -9,7 +9,8 @@ units of a plain step, 1 for plain) and picks the best. It never locks an arm ou
 is not the best is sampled again after
     period = min(E r, max(MIN_PERIOD, 1 + 2 E r gap)),   gap = 1 - g_arm / g_best,  E = explore_every,
     r = clamp(length_arm / length_best, 1, R_MAX)   (1 while a length is unknown)
-steps without a sample, and at once if its last sample beat the best arm's average. Near-ties
+steps without a sample (MIN_PERIOD for the first own sample of an average inherited from another
+gate, see `inherit`), and at once if its last sample beat the best arm's average. Near-ties
 (where one step's noise decides) are thus re-checked every MIN_PERIOD steps (so the best arm
 keeps most steps and its own average stays fresh), a clear loser only every E r steps. What it
 costs and buys:
@@ -82,6 +83,7 @@ class SpeculationGate:
         self._n = {a: 0 for a in self.arms}  # samples in the average, an inherited one included
         self.last = {a: 0 for a in self.arms}  # step count at the arm's latest sample
         self.last_gain: dict[str, float | None] = {a: None for a in self.arms}
+        self._inherited = {a: False for a in self.arms}  # averages taken from another gate (`inherit`)
         self.t = 0
         self.switches_off = 0  # times the best arm changed away from "draft"
 
@@ -117,6 +119,11 @@ class SpeculationGate:
         gap = max(1.0 - g / g_best, 0.0)
         la, lb = self.length[arm], self.length[best]
         r = 1.0 if la is None or not lb else min(max(la / lb, 1.0), R_MAX)
+        if self._inherited[arm] and self.samples[arm] == 0:
+            # Inherited averages say what paid for other requests (or another batch size); this
+            # gate's first own sample comes soon, so a request whose content suits an arm that the
+            # earlier ones did not is not decided by them alone.
+            return MIN_PERIOD
         every = self.explore_every * r
         period = min(every, max(MIN_PERIOD, 1 + 2 * every * gap))
         # Plain decoding's gain is 1 by definition: nothing to be unsure of.
@@ -166,13 +173,18 @@ class SpeculationGate:
     def inherit(self, other: "SpeculationGate") -> None:
         """Start from another gate's averages (a request's own gate from the shared one, a new
         batch-size class from its neighbour's), each counted as INHERIT_SAMPLES samples, so this
-        gate's own first sample weighs 1 / (INHERIT_SAMPLES + 1)."""
+        gate's own first sample weighs 1 / (INHERIT_SAMPLES + 1). An inherited arm that is not the
+        best gets its first own sample MIN_PERIOD steps in (`period`), whatever its gap: on the
+        benchmark's MT-Bench -> HumanEval -> math order, the draft arm's average from MT-Bench
+        (0.8) kept it unsampled through whole math requests, where 8-node drafts paid 1.3x
+        (docs/controller.md, "An avx2-only machine")."""
         for a in self.arms:
             if a != "plain" and other.gain.get(a) is not None:
                 self.gain[a] = other.gain[a]
                 self.length[a] = other.length.get(a)
                 self.last_gain[a] = other.gain[a]
                 self._n[a] = INHERIT_SAMPLES
+                self._inherited[a] = True
 
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""

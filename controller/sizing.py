@@ -10,8 +10,8 @@ Every verified tree says what its smaller versions would have committed, at no c
 built best-first, so the tree a cap of n nodes would have built is the first n nodes of this one
 (engine.tree.Tree keeps insertion order), and along the accepted path node indices grow from
 the root, so that tree commits 1 + (accepted path nodes with index < n) tokens (the bonus
-included; never more than the step committed). A step whose tree stopped below its cap says the
-same for every larger cap. `RealisedSizes` keeps a decayed mean of those counterfactual tokens
+included; never more than the step committed). Sizes above the step's cap are left unobserved,
+whether or not the tree reached it (`RealisedSizes.record` says why). `RealisedSizes` keeps a decayed mean of those counterfactual tokens
 at a grid of sizes and caps the next tree at the size of the best measured throughput,
     n* = argmax_n  tokens(n) / (T_fixed + C(n)),
 with C from the latency model. Sizes above a binding cap are seen only by probes: every
@@ -62,15 +62,18 @@ class RealisedSizes:
     def record(self, tree_size: int, cap: int | None, path: Sequence[int], accepted: int) -> None:
         """One verified tree: tree_size nodes (root included), built under `cap` nodes (None: no
         cap of this sizer); path: the accepted non-root node indices, increasing; accepted:
-        tokens the step committed (bonus included). Sizes above a cap the tree reached are not
-        observed (the cap, not the policy, stopped it)."""
-        binding = cap is not None and tree_size >= cap
+        tokens the step committed (bonus included). Sizes above the cap are not observed, even
+        when the policy stopped the tree below it: which steps reach their cap depends on the
+        drafter's confidence, so counting only the others at larger sizes would rate those sizes
+        by the hard steps alone (the confident steps, where larger trees pay, are exactly the
+        ones a binding cap hides), and the cap would ratchet down. Whether a size is observed
+        then depends on the cap alone, fixed before the tree was built."""
         self.steps += 1
         self.tokens *= self.decay
         self.weight *= self.decay
         path = sorted(int(i) for i in path)
         for j, n in enumerate(self.sizes):
-            if n > tree_size and binding:
+            if cap is not None and n > cap:
                 break
             tok = min(accepted, 1 + bisect.bisect_left(path, n))  # path indices are all < tree_size
             self.tokens[j] += tok

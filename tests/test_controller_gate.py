@@ -167,3 +167,28 @@ def test_an_arm_with_few_samples_is_rechecked_sooner():
     near = SpeculationGate(explore_every=64, arms=("draft", "plain"))
     near.record("draft", 0.99, 1.0)  # a near-tie keeps the MIN_PERIOD floor
     assert near.period("draft") == MIN_PERIOD
+
+
+def test_a_request_samples_an_inherited_losing_arm_early_and_takes_it_when_it_pays_there():
+    """Averages inherited from earlier requests (a prompt set where drafts lost) must not decide a
+    new request alone: its own gate samples such an arm MIN_PERIOD steps in, once, and a request
+    where that arm pays makes it the best within a few more steps (each winning sample is
+    followed at once); where the arm keeps losing, the next sample waits the full period."""
+    from controller.gate import MIN_PERIOD
+
+    shared = SpeculationGate()
+    for _ in range(40):  # what earlier requests measured: drafts at 0.8, free trees at 1.4
+        shared.record("draft", 0.8, 1.6)
+        shared.record("cheap", 1.4, 1.0)
+    assert shared.best() == "cheap" and shared.period("draft") > 5 * MIN_PERIOD
+    pays = SpeculationGate()
+    pays.inherit(shared)
+    assert pays.period("draft") == MIN_PERIOD
+    used = run(pays, {"draft": 1.9, "cheap": 1.4}, 30)
+    assert "draft" not in used[:MIN_PERIOD] and used[MIN_PERIOD] == "draft"
+    assert pays.best() == "draft" and used[-10:] == ["draft"] * 10
+    loses = SpeculationGate()
+    loses.inherit(shared)
+    used = run(loses, {"draft": 0.8, "cheap": 1.4}, 60)
+    assert used.count("draft") == 1 and used[MIN_PERIOD] == "draft"
+    assert loses.period("draft") > 5 * MIN_PERIOD

@@ -81,3 +81,33 @@ def test_bad_arguments_are_refused():
         RealisedSizes(sizes=(1, 2))
     with pytest.raises(ValueError):
         RealisedSizes(decay=0.0)
+
+
+def test_steps_the_policy_stops_early_do_not_rate_sizes_above_the_cap_alone():
+    """Half the steps are hard (the drafter is unsure: the policy stops at 2 nodes, p = 0.2), half
+    easy (it grows to the cap, p = 0.9). Counting the hard steps alone above a binding cap would
+    rate larger sizes by them and hold the cap down; observing a size only where the cap reached
+    it finds the size of best throughput over all steps."""
+    costs = [0.0] + [1.0 + 0.05 * (n - 1) for n in range(1, 257)]
+    fixed = 0.3
+    rng = np.random.default_rng(0)
+    rs = RealisedSizes()
+    caps = []
+    for _ in range(600):
+        cap = rs.cap(costs, fixed, 256)
+        caps.append(cap)
+        hard = rng.random() < 0.5
+        size, p = (min(2, cap), 0.2) if hard else (cap, 0.9)
+        k = 0
+        while k + 1 < size and rng.random() < p:
+            k += 1
+        rs.record(size, cap, list(range(1, k + 1)), k + 1)
+
+    def rate(n):  # true tokens per second with a cap of n over both kinds of step
+        easy = sum(0.9 ** k for k in range(n))
+        hard = sum(0.2 ** k for k in range(min(2, n)))
+        return 0.5 * (easy + hard) / (fixed + 0.5 * (costs[n] + costs[min(2, n)]))
+
+    best = max(rs.sizes, key=rate)
+    cap = max(set(caps[-200:]), key=caps[-200:].count)
+    assert best >= 12 and cap >= 8 and rate(cap) >= 0.93 * rate(best), (best, cap)
