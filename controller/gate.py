@@ -83,7 +83,6 @@ class SpeculationGate:
         self._n = {a: 0 for a in self.arms}  # samples in the average, an inherited one included
         self.last = {a: 0 for a in self.arms}  # step count at the arm's latest sample
         self.last_gain: dict[str, float | None] = {a: None for a in self.arms}
-        self._inherited = {a: False for a in self.arms}  # averages taken from another gate (`inherit`)
         self.t = 0
         self.switches_off = 0  # times the best arm changed away from "draft"
 
@@ -116,14 +115,14 @@ class SpeculationGate:
         g, g_best = self.gain[arm], self.gain[best]
         if g is None or g_best <= 0:
             return 1
+        if arm != "plain" and self.samples[arm] == 0:
+            # Only an inherited average (`inherit`): it says what paid for other requests (or
+            # another batch size); this gate's first own sample comes soon, so a request whose
+            # content suits an arm that the earlier ones did not is not decided by them alone.
+            return MIN_PERIOD
         gap = max(1.0 - g / g_best, 0.0)
         la, lb = self.length[arm], self.length[best]
         r = 1.0 if la is None or not lb else min(max(la / lb, 1.0), R_MAX)
-        if self._inherited[arm] and self.samples[arm] == 0:
-            # Inherited averages say what paid for other requests (or another batch size); this
-            # gate's first own sample comes soon, so a request whose content suits an arm that the
-            # earlier ones did not is not decided by them alone.
-            return MIN_PERIOD
         every = self.explore_every * r
         period = min(every, max(MIN_PERIOD, 1 + 2 * every * gap))
         # Plain decoding's gain is 1 by definition: nothing to be unsure of.
@@ -184,7 +183,6 @@ class SpeculationGate:
                 self.length[a] = other.length.get(a)
                 self.last_gain[a] = other.gain[a]
                 self._n[a] = INHERIT_SAMPLES
-                self._inherited[a] = True
 
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""

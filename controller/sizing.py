@@ -11,8 +11,8 @@ built best-first, so the tree a cap of n nodes would have built is the first n n
 (engine.tree.Tree keeps insertion order), and along the accepted path node indices grow from
 the root, so that tree commits 1 + (accepted path nodes with index < n) tokens (the bonus
 included; never more than the step committed). Sizes above the step's cap are left unobserved,
-whether or not the tree reached it (`RealisedSizes.record` says why). `RealisedSizes` keeps a decayed mean of those counterfactual tokens
-at a grid of sizes and caps the next tree at the size of the best measured throughput,
+whether or not the tree reached it (`RealisedSizes.record` says why). `RealisedSizes` keeps a
+decayed mean of those counterfactual tokens at a grid of sizes and caps the next tree at the size of the best measured throughput,
     n* = argmax_n  tokens(n) / (T_fixed + C(n)),
 with C from the latency model. Sizes above a binding cap are seen only by probes: every
 PROBE_EVERY-th step's cap is the next grid size above n*, so a drafter that improves moves n*

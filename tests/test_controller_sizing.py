@@ -32,18 +32,20 @@ def test_sizes_above_a_binding_cap_are_not_observed():
     assert rs.weight.tolist() == pytest.approx([1.99, 1.99, 1.0, 1.0])
 
 
-def simulate(rs: RealisedSizes, p: float, costs: list[float], fixed: float, steps: int, seed: int = 0):
+def simulate(rs: RealisedSizes, p: float, costs: list[float], fixed: float, steps: int, seed: int = 0,
+             hard: float = 0.0, p_hard: float = 0.2):
     """A drafter whose best-first tree holds the target's next token at node i with probability
     p (1 - p)^(i - 1) along a chain: node i of the tree is depth i (so the path is 1, 2, ...,
-    k). Returns the caps used."""
+    k). A fraction `hard` of the steps are ones the drafter is unsure of: the policy stops
+    their tree at 2 nodes and p_hard replaces p. Returns the caps used."""
     rng = np.random.default_rng(seed)
     caps = []
     for _ in range(steps):
         cap = rs.cap(costs, fixed, len(costs) - 1)
         caps.append(cap)
-        size = cap  # the policy always grows to the cap here
+        size, p_step = (min(2, cap), p_hard) if hard and rng.random() < hard else (cap, p)
         k = 0
-        while k + 1 < size and rng.random() < p:
+        while k + 1 < size and rng.random() < p_step:
             k += 1
         rs.record(size, cap, list(range(1, k + 1)), k + 1)
     return caps
@@ -90,18 +92,8 @@ def test_steps_the_policy_stops_early_do_not_rate_sizes_above_the_cap_alone():
     it finds the size of best throughput over all steps."""
     costs = [0.0] + [1.0 + 0.05 * (n - 1) for n in range(1, 257)]
     fixed = 0.3
-    rng = np.random.default_rng(0)
     rs = RealisedSizes()
-    caps = []
-    for _ in range(600):
-        cap = rs.cap(costs, fixed, 256)
-        caps.append(cap)
-        hard = rng.random() < 0.5
-        size, p = (min(2, cap), 0.2) if hard else (cap, 0.9)
-        k = 0
-        while k + 1 < size and rng.random() < p:
-            k += 1
-        rs.record(size, cap, list(range(1, k + 1)), k + 1)
+    caps = simulate(rs, 0.9, costs, fixed, 600, hard=0.5, p_hard=0.2)
 
     def rate(n):  # true tokens per second with a cap of n over both kinds of step
         easy = sum(0.9 ** k for k in range(n))
