@@ -115,7 +115,8 @@ class BudgetController:
         self.settings = settings or default_settings("cpu")
         self.metrics = controller_metrics(registry)
         self.profiler = OnlineProfiler(model, calibration_points, history=history, window=refit_window,
-                                       threshold=refit_threshold, on_refit=self._on_refit)
+                                       threshold=refit_threshold, on_refit=self._on_refit,
+                                       on_rescale=self._on_rescale)
         self.profiler.t_draft.value = t_draft_init
         self.profiler.t_other.value = t_other_init
         self.gate = gate or SpeculationGate()
@@ -629,6 +630,7 @@ class BudgetController:
             "t_draft_s": self.t_draft, "t_other_s": self.t_other,
             "latency_params": model.params.to_dict(), "residual": [list(r) for r in model.residual],
             "online_mape": num(self.profiler.recent_mape()), "refits": self.profiler.refits,
+            "rescales": self.profiler.rescales,
             "surrogate": sur, "surrogate_cheap": sur_cheap, "batch_steps": self.batch_steps, "seq_overhead_s": self.seq_overhead.value,
             "batch_gates": {str(k): g.snapshot() for k, g in sorted(self._batch_gates.items())},
             "sizes": {k: v.snapshot() for k, v in self.sizes.items()},
@@ -642,6 +644,10 @@ class BudgetController:
         err = self.profiler.recent_mape()
         if err == err:  # not nan
             m.fit_error.labels(kind="online").set(err)
+
+    def _on_rescale(self, model: LatencyModel, factor: float) -> None:
+        self.metrics.set_params(model.params)
+        self.metrics.rescales.inc()
 
     def _on_refit(self, model: LatencyModel, err_before: float, err_after: float) -> None:
         self.metrics.set_params(model.params)

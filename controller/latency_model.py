@@ -82,6 +82,16 @@ class LatencyModel:
         """s values of the residual's knots (empty: plain roofline)."""
         return tuple(k for k, _ in self.residual)
 
+    def scaled(self, k: float) -> "LatencyModel":
+        """The same curve times k (> 0): all four parameters scaled, so C'(s, c) = k * C(s, c)
+        exactly (both lines of the max scale alike); the residual is kept. Raises ValueError
+        for k <= 0 or not finite."""
+        if not (math.isfinite(k) and k > 0):
+            raise ValueError(f"a latency model is scaled by a positive factor, got {k}")
+        p = self.params
+        return LatencyModel(self.shape, self.ceilings,
+                            LatencyParams(p.alpha_c * k, p.beta_c * k, p.alpha_m * k, p.beta_m * k), self.residual)
+
     def roofline(self) -> "LatencyModel":
         """The same model without the residual."""
         return LatencyModel(self.shape, self.ceilings, self.params)

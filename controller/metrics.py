@@ -45,6 +45,8 @@ class ControllerMetrics:
                                       "Predicted / measured verify latency per step",
                                       buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0), registry=r)
         self.refits = Counter("bastion_latency_model_refits", "Background refits of the latency model", registry=r)
+        self.rescales = Counter("bastion_latency_model_rescales",
+                                "Rescales of the latency model's level to recent measured steps", registry=r)
         self.drafting = Gauge("bastion_drafting_enabled", "1 when drafting is the controller's best choice (by realised gain)", registry=r)
 
     def observe_step(self, verify_s: float, predicted_s: float, t_draft: float, t_other: float,

@@ -14,7 +14,14 @@ were 1.2-1.8 ms (7-10 %) slower than with refits off. Why the bias condition: a 
 remove noise; on a noisy VM the error of an unbiased model crossed 15 % in bursts and started
 a refit every 100-200 plain steps. For the same reason a refit that does not cut the error by
 a fifth doubles the wait before the next check (up to MAX_WAIT windows). Drift checks run
-every CHECK_EVERY steps, not every step (each costs ~0.2 ms). Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
+every CHECK_EVERY steps, not every step (each costs ~0.2 ms).
+
+Between refits the model's level follows the machine: at each check the current model's
+median ratio measured / predicted over the last LEVEL_WINDOW steps, when it is off 1 by more
+than `bias_threshold`, rescales the whole curve (`LatencyModel.scaled`; no fit). A shared VM's
+speed moves by 20-40 % within minutes (plain steps 37 -> 54 ms with nothing else of ours
+running, docs/controller.md "Level tracking"); a fit is not needed for that, and waiting for
+the next refit left the online error at 22-30 % for the rest of a run. Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
 the controller itself").
 """
 from __future__ import annotations
@@ -39,8 +46,14 @@ REFIT_ROUNDS = 2
 #: many windows.
 MAX_WAIT = 8
 
-#: Steps between two drift checks once `window` steps have run since the last refit.
+#: Steps between two drift checks (a refit once `window` steps have run since the last one,
+#: else a rescale of the model's level).
 CHECK_EVERY = 8
+
+#: Recent steps whose median measured / predicted ratio sets the model's level between refits:
+#: 32 steps' median moves ~2 % with the ~10 % per-step jitter of a VM, under the 5 % bias
+#: threshold, and follows a change of the machine's speed within 32-40 steps.
+LEVEL_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -80,13 +93,17 @@ class OnlineProfiler:
     (and the minimum number of new steps between refits). threshold: drift MAPE (fraction)
     that triggers a refit, when the model is also biased by more than bias_threshold (a
     fraction; default threshold / 3): |median(measured / predicted) - 1|. alpha: weight of the newest sample in T_draft / T_other.
-    on_refit(model, mape_before, mape_after): called after a swap.
+    on_refit(model, mape_before, mape_after): called after a refit's swap.
+    on_rescale(model, factor): called after the level was rescaled by factor.
+    level_window: steps whose median ratio sets the level between refits (0: no rescales).
     """
 
     def __init__(self, model: LatencyModel, calibration_points: Sequence[tuple[int, int, float]] = (),
                  history: int = 512, window: int = 64, threshold: float = 0.15, alpha: float = 0.1,
                  on_refit: Callable[[LatencyModel, float, float], None] | None = None,
-                 bias_threshold: float | None = None):
+                 bias_threshold: float | None = None,
+                 on_rescale: Callable[[LatencyModel, float], None] | None = None,
+                 level_window: int = LEVEL_WINDOW):
         self.model = model
         self.calibrated = model
         self.calibration_points = list(calibration_points)
@@ -98,7 +115,11 @@ class OnlineProfiler:
         self.t_other = RunningMean(alpha)
         self.t_other_ar = RunningMean(alpha)
         self.on_refit = on_refit
+        self.on_rescale = on_rescale
         self.refits = 0
+        self.rescales = 0
+        self.level_window = level_window
+        self._steps = 0
         self.refit_failures = 0
         self._since_refit = 0
         self._wait = window  # steps before the next drift check: doubled after a refit that did not help
@@ -114,12 +135,35 @@ class OnlineProfiler:
             self.t_other.add(other_s)
         else:
             self.t_other_ar.add(other_s)
-        since = self._since_refit
-        if since >= self._wait and (since - self._wait) % CHECK_EVERY == 0:
+        self._steps += 1
+        if self._steps % CHECK_EVERY:
+            return
+        if self._since_refit >= self._wait:
             err, bias = self.recent_error()
             if err > self.threshold and abs(bias) > self.bias_threshold:
                 self._since_refit = 0
                 self._refit(list(self.records), err)
+                return
+        self._relevel()
+
+    def _relevel(self) -> None:
+        """Rescale the model by the median measured / predicted ratio of the last `level_window`
+        steps (fewer at the start, at least CHECK_EVERY), predicted by the current model, when
+        it is off 1 by more than bias_threshold."""
+        if self.level_window <= 0:
+            return
+        recent = list(self.records)[-self.level_window:]
+        if len(recent) < CHECK_EVERY:
+            return
+        pred = self.model.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
+        ratio = float(np.median(np.array([r.verify_s for r in recent]) / pred))
+        if not abs(ratio - 1.0) > self.bias_threshold:  # also false for nan
+            return
+        self.model = self.model.scaled(ratio)
+        self.rescales += 1
+        log.debug("latency model level x%.3f (median of the last %d steps)", ratio, len(recent))
+        if self.on_rescale is not None:
+            self.on_rescale(self.model, ratio)
 
     def recent_error(self, n: int | None = None) -> tuple[float, float]:
         """(MAPE, bias) of the predictions made for the last n (default `window`) steps, fractions:

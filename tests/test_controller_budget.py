@@ -85,6 +85,7 @@ def test_refit_on_drift_runs_inline_from_the_current_parameters(monkeypatch):
     monkeypatch.setattr(profiler_mod, "fit_model", spy_fit)
     reg = CollectorRegistry()
     ctl = make_controller(reg, refit_window=64, refit_threshold=0.15)
+    ctl.profiler.level_window = 0  # the refit alone (a rescale would follow a uniform slow-down first)
     old = ctl.model
     # 63 steps on a machine that became 1.6x slower: no refit yet (window not full)
     sizes = [8, 12, 16, 24, 32, 48]
@@ -112,6 +113,7 @@ def test_refits_that_do_not_help_back_off(monkeypatch):
     waits twice as long, up to MAX_WAIT windows; refits are then at steps 64, 192, 448, 960, 1472."""
     monkeypatch.setattr(profiler_mod, "fit_model", lambda shape, ceil, *a, **kw: LatencyModel(SHAPE, CEIL, PARAMS))
     ctl = make_controller(refit_window=64, refit_threshold=0.15)
+    ctl.profiler.level_window = 0  # the refit alone
     m = ctl.model
     at = []
     for i in range(1500):
@@ -120,6 +122,56 @@ def test_refits_that_do_not_help_back_off(monkeypatch):
         if ctl.profiler.refits > before:
             at.append(i + 1)
     assert profiler_mod.MAX_WAIT == 8 and at == [64, 64 + 128, 192 + 256, 448 + 512, 960 + 512]
+
+
+def test_the_model_level_follows_a_slow_down_too_small_for_a_refit_and_back():
+    """A VM's speed moves by 10-30 % between minutes. A 12 % slow-down never starts a refit (the
+    online error stays under the 15 % threshold), so with the refit alone the model stays 12 %
+    off for good; the level rescale follows it within LEVEL_WINDOW + CHECK_EVERY steps, and
+    follows the machine back when it speeds up again. Timings have 3 % noise, which alone
+    rescales nothing."""
+    def run(level_window):
+        rng = np.random.default_rng(0)
+        ctl = make_controller(refit_window=64, refit_threshold=0.15)
+        ctl.profiler.level_window = level_window
+        truth = LatencyModel(SHAPE, CEIL, PARAMS)
+        errs = []
+        for i, speed in enumerate([1.0] * 200 + [1.12] * 200 + [1.0] * 200):
+            n, c = (1, 16)[i % 2], 200 + i % 300
+            t = speed * truth.predict(n, c) * (1 + 0.03 * rng.standard_normal())
+            errs.append(abs(ctl.model.predict(n, c) / (speed * truth.predict(n, c)) - 1))
+            ctl.record_step(n, c, t, 1e-3, 1e-3, 1.0, 1, drafted=n > 1)
+            if i == 199:
+                assert ctl.profiler.rescales == 0  # noise alone
+        return ctl, np.array(errs)
+
+    window = profiler_mod.LEVEL_WINDOW + profiler_mod.CHECK_EVERY
+    ctl, errs = run(profiler_mod.LEVEL_WINDOW)
+    assert ctl.profiler.refits == 0 and ctl.profiler.rescales >= 2
+    # within the 5 % bias threshold (a partial first rescale is finished once the window has
+    # turned over)
+    assert errs[200 + window:400].max() < 0.06 and errs[400 + window:].max() < 0.06
+    assert errs[300:400].max() < 0.03 and errs[500:].max() < 0.03
+    alone, errs_alone = run(0)
+    assert alone.profiler.refits == 0 and alone.profiler.rescales == 0
+    assert errs_alone[200 + window:400].min() > 0.1  # the refit alone leaves it off
+
+
+def test_a_rescale_scales_the_whole_curve_and_is_exported():
+    reg = CollectorRegistry()
+    ctl = make_controller(reg)
+    old = ctl.model
+    for i in range(profiler_mod.LEVEL_WINDOW):
+        n, c = (1, 8, 64)[i % 3], 100 + 10 * i
+        ctl.record_step(n, c, 0.8 * old.predict(n, c), 1e-3, 1e-3, 1.0, 1, drafted=n > 1)
+    assert ctl.profiler.rescales == 1 and ctl.profiler.refits == 0
+    s, c = np.array([1, 2, 16, 128, 256]), np.array([0, 50, 700, 1000, 4000])
+    np.testing.assert_allclose(ctl.model.predict(s, c), 0.8 * old.predict(s, c), rtol=1e-9)
+    assert reg.get_sample_value("bastion_latency_model_rescales_total") == 1
+    assert reg.get_sample_value("bastion_latency_model_param", {"param": "beta_c"}) == pytest.approx(0.8 * PARAMS.beta_c)
+    assert ctl.snapshot()["rescales"] == 1
+    with pytest.raises(ValueError):
+        old.scaled(0.0)
 
 
 def test_no_refit_when_predictions_hold():
@@ -141,6 +193,7 @@ def test_noise_without_bias_starts_no_refit_a_biased_model_does():
         return rng.uniform(2.0, 3.0) if rng.random() < 0.3 else rng.uniform(0.97, 1.03)
     for level, refits in ((1.0, 0), (1.3, 1)):
         ctl = make_controller(refit_window=64, refit_threshold=0.15)
+        ctl.profiler.level_window = 0  # the refit alone
         m = ctl.model
         for i in range(64 + 3 * profiler_mod.CHECK_EVERY):
             n, c = (1, 16)[i % 2], 200 + i
@@ -218,10 +271,11 @@ def test_metrics_exported_on_given_registry():
     assert get("bastion_predicted_verify_seconds", {"s": "64"}) == pytest.approx(ctl.model.predict(64, 0))
     assert get("bastion_context_tokens") == 0
     for i in range(8):
-        ctl.record_step(16, 400, 0.9 * ctl.model.predict(16, 400), 0.01, 0.002, 3.5, 4)
+        # 3 % off: inside the bias threshold, so the model is not rescaled
+        ctl.record_step(16, 400, 0.97 * ctl.model.predict(16, 400), 0.01, 0.002, 3.5, 4)
     assert get("bastion_latency_model_param", {"param": "beta_m"}) == PARAMS.beta_m
     assert get("bastion_latency_model_error_ratio", {"kind": "calibration_heldout"}) == 0.04
-    assert get("bastion_latency_model_error_ratio", {"kind": "online"}) == pytest.approx(1 / 0.9 - 1)
+    assert get("bastion_latency_model_error_ratio", {"kind": "online"}) == pytest.approx(1 / 0.97 - 1)
     assert get("bastion_predicted_verify_seconds", {"s": "64"}) == pytest.approx(ctl.model.predict(64, 400))
     assert get("bastion_context_tokens") == 400
     assert get("bastion_draft_seconds") == pytest.approx(0.01) and get("bastion_other_seconds") == pytest.approx(0.002)

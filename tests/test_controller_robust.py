@@ -135,7 +135,7 @@ def test_calibration_spoiled_by_outliers_still_gives_the_right_tree_size(tmp_pat
 def test_online_refit_repairs_a_calibration_taken_on_a_busy_machine(tmp_path):
     """The whole calibration ran beside another CPU-heavy process (every forward 1.5-2.5x slow,
     at random): the model over-prices every forward about 2x. Steps on the quiet machine bring
-    the online error under 15 % within a few hundred steps; drafting stays on throughout (its
+    the online error under 15 % within a few hundred steps (rescales of the level, or refits); drafting stays on throughout (its
     gain is judged against measured plain steps, not the model) and the tree carries at least
     90 % of the best size's true throughput."""
     marg = marginals(0.8)
@@ -147,7 +147,8 @@ def test_online_refit_repairs_a_calibration_taken_on_a_busy_machine(tmp_path):
     c = 500
     assert ctl.model.predict(1, c) > 1.25 * float(true_seconds(1, c))  # off at the start
     sizes = simulate(ctl, marg, 300)
-    assert ctl.profiler.refits >= 1
+    # a uniformly slow calibration is a wrong level, not a wrong shape: a rescale repairs it
+    assert ctl.profiler.refits + ctl.profiler.rescales >= 1
     assert ctl.profiler.recent_mape() < 0.15
     assert sum(n > 1 for n in sizes) >= 0.85 * len(sizes)
     best = max(throughput(n, c, marg) for n in range(1, 129))
