@@ -57,6 +57,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=20000, help="cosine schedule horizon (steps)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--blocks", type=int, default=16, help="anchors per sequence per step")
+    parser.add_argument("--autocast", default="auto", choices=["auto", "on", "off"],
+                        help="bfloat16 autocast for training steps (auto: time a step both ways and keep the faster)")
     parser.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: run to --steps)")
     parser.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint every this many minutes")
     parser.add_argument("--eval-minutes", type=float, default=15.0, help="speculative-decoding eval every this many minutes")

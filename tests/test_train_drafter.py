@@ -15,7 +15,7 @@ from training.features import teacher_forced
 from training.generate import decode_many
 from training.shards import Sequence, write_shard
 from training.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
-from training.train_loop import (TokenData, build, export, load_state, save_ckpt, save_state, train_stage, train_step,
+from training.train_loop import (TokenData, build, choose_autocast, export, load_state, save_ckpt, save_state, train_stage, train_step,
                                  validate)
 
 LAYERS = (0, 1)  # target_layer_ids of the tiny 2-layer target
@@ -152,6 +152,21 @@ def test_one_training_step_lowers_the_loss(target, records):
     assert after < before
 
 
+def test_autocast_is_chosen_by_timing_both_and_leaves_the_weights_alone(target, records):
+    cfg = cfg_for(draft_vocab=12, inject_anchor=True)
+    tr = DrafterTrainer(target.model, cfg, frequent_vocab(records, 16, 12))
+    batch = make_batch(records[:4], cfg, torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    on, timed = choose_autocast(tr, batch, "auto")
+    assert set(timed) == {"bf16_s", "fp32_s"} and min(timed.values()) > 0
+    assert on == (timed["bf16_s"] < timed["fp32_s"])
+    assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
+    assert all(p.grad is None for p in tr.model.parameters())
+    assert choose_autocast(tr, batch, "on") == (True, {}) and choose_autocast(tr, batch, "off") == (False, {})
+    with pytest.raises(ValueError, match="auto, on or off"):
+        choose_autocast(tr, batch, "bf16")
+
+
 def test_export_reloads_with_identical_logits(target, records, tmp_path):
     cfg = cfg_for(draft_vocab=10, inject_anchor=True)
     tr = DrafterTrainer(target.model, cfg, frequent_vocab(records, 16, 10))
@@ -273,6 +288,7 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         torch.save(other, tmp_path / "train" / "ckpt.pt")
         assert _resume_point(tmp_path / "train", tmp_path / "state")["state"]["step"] == 27
         other["cfg"]["num_layers"], other["cfg"]["steps"] = 1, 5000  # same recipe, longer horizon: the newer wins
+        other["cfg"]["autocast"] = not other["cfg"]["autocast"]  # autocast is the machine's choice, not the recipe
         torch.save(other, tmp_path / "train" / "ckpt.pt")
         assert _resume_point(tmp_path / "train", tmp_path / "state")["state"]["step"] == 1000
         # A state whose two files disagree (an interrupted write) is refused, not half-loaded.

@@ -410,7 +410,7 @@ def build(target_model, cfg: TrainConfig, vocab_counts: torch.Tensor | None, ckp
 
 
 def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
-    """One AdamW step under bfloat16 autocast with gradient clipping; returns float metrics."""
+    """One AdamW step (under bfloat16 autocast when cfg.autocast) with gradient clipping; returns float metrics."""
     cfg = trainer.cfg
     for g in opt.param_groups:
         g["lr"] = lr_at(step, cfg)
@@ -425,6 +425,36 @@ def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
     m["grad_norm"] = float(gn)
     m["lr"] = opt.param_groups[0]["lr"]
     return m
+
+
+def time_step(trainer: DrafterTrainer, batch: dict, autocast: bool, reps: int = 2) -> float:
+    """Median seconds of a training step's forward and backward (no optimiser step; gradients
+    are dropped), with or without bfloat16 autocast, after one untimed warm-up."""
+    trainer.model.train()
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = trainer(batch)
+        out["loss"].backward()
+        if i:
+            times.append(time.perf_counter() - t0)
+        trainer.model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2]
+
+
+def choose_autocast(trainer: DrafterTrainer, batch: dict, mode: str = "auto") -> tuple[bool, dict]:
+    """Whether to train under bfloat16 autocast: "on" / "off" as given; "auto" times a step
+    both ways on `batch` (time_step) and keeps the faster. bfloat16 pays only where the CPU
+    has bfloat16 matrix units: 1.6x faster with avx512_bf16, and 8x slower on an avx2-only
+    EPYC (docs/drafter.md, "Version 3"). Returns (autocast, {"bf16_s", "fp32_s"} when timed).
+    Raises ValueError for another mode."""
+    if mode in ("on", "off"):
+        return mode == "on", {}
+    if mode != "auto":
+        raise ValueError(f"autocast is auto, on or off, got {mode!r}")
+    timed = {"bf16_s": time_step(trainer, batch, True), "fp32_s": time_step(trainer, batch, False)}
+    return timed["bf16_s"] < timed["fp32_s"], timed
 
 
 def config_from_args(args, target_config) -> TrainConfig:
@@ -461,8 +491,8 @@ def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
     committed one when their drafter configs differ (the local file is then another run's)."""
     local = torch.load(tdir / "ckpt.pt", weights_only=False) if (tdir / "ckpt.pt").exists() else None
     committed = load_state(state_dir)
-    def shape(ck: dict) -> dict:  # the run's recipe; the schedule horizon may grow between sessions
-        return {k: v for k, v in ck["cfg"].items() if k != "steps"}
+    def shape(ck: dict) -> dict:  # the run's recipe; the horizon may grow, autocast is the machine's
+        return {k: v for k, v in ck["cfg"].items() if k not in ("steps", "autocast")}
 
     if committed is not None and local is not None and shape(local) != shape(committed):
         return committed
@@ -504,6 +534,11 @@ def train_stage(args, out: Path, log, target=None) -> None:
     if cfg.draft_vocab:  # re-chosen from all data loaded now (the weights do not depend on it)
         trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
     cfg.steps = args.steps  # the horizon may grow when training continues
+    probe = data.records(data.train_idx[: cfg.batch])
+    cfg.autocast, timed = choose_autocast(trainer, make_batch(probe, cfg, torch.Generator().manual_seed(0),
+                                                              soft=cfg.soft_weight > 0), getattr(args, "autocast", "auto"))
+    log.info("train: bfloat16 autocast %s %s", "on" if cfg.autocast else "off",
+             "(step %.0f ms with it, %.0f ms without)" % (1e3 * timed["bf16_s"], 1e3 * timed["fp32_s"]) if timed else "(as asked)")
     state = dict(ckpt["state"]) if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0,
                                               "feature_s": 0.0}
     if ckpt is None and args.init:
