@@ -192,7 +192,7 @@ class BudgetController:
 
     @property
     def model(self) -> LatencyModel:
-        """The current latency model (replaced by background refits)."""
+        """The current latency model (replaced by the profiler's inline refits and rescales)."""
         return self.profiler.model
 
     @property

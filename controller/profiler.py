@@ -16,18 +16,25 @@ a refit every 100-200 plain steps. For the same reason a refit that does not cut
 a fifth doubles the wait before the next check (up to MAX_WAIT windows). Drift checks run
 every CHECK_EVERY steps, not every step (each costs ~0.2 ms).
 
-Between refits the model's level follows the machine: at each check the current model's
-median ratio measured / predicted over the last LEVEL_WINDOW steps, when it is off 1 by more
-than `bias_threshold`, rescales the whole curve (`LatencyModel.scaled`; no fit). A shared VM's
-speed moves by 20-40 % within minutes (plain steps 37 -> 54 ms with nothing else of ours
-running, docs/controller.md "Level tracking"); a fit is not needed for that, and waiting for
-the next refit left the online error at 22-30 % for the rest of a run. Measured in bfloat16 on a 2-core EPYC (docs/controller.md, "The cost of
-the controller itself").
+Drift checks judge the current model (predictions made at the check, not the stored ones) and
+also refit when plain steps and trees are off by different factors (a wrong shape, even with
+an overall median near 1).
+
+Between refits the model's level follows the machine: at each check that does not refit, the
+median ratio measured / predicted over the last LEVEL_WINDOW steps (plain steps and trees
+each, their geometric mean), when it is off 1 by more than `bias_threshold`, rescales the
+whole curve (`LatencyModel.scaled`; no fit), unless the two kinds disagree (then the shape is
+wrong and the refit is left to repair it). A shared VM's speed moves by 20-40 % within minutes
+(plain steps 36 -> 56 ms with nothing else of ours running, docs/controller.md "Level
+tracking"); a fit is not needed for that, and waiting for the next refit left the online error
+at 22-30 % for the rest of a run. The cost figures above were measured in bfloat16 on a 2-core
+EPYC (docs/controller.md, "The cost of the controller itself").
 """
 from __future__ import annotations
 
 import collections
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -54,6 +61,9 @@ CHECK_EVERY = 8
 #: 32 steps' median moves ~2 % with the ~10 % per-step jitter of a VM, under the 5 % bias
 #: threshold, and follows a change of the machine's speed within 32-40 steps.
 LEVEL_WINDOW = 32
+
+#: Steps of a kind (plain, s = 1; trees, s > 1) before its own median ratio counts.
+PLAIN_MIN = 4
 
 
 @dataclass(frozen=True)
@@ -139,31 +149,59 @@ class OnlineProfiler:
         if self._steps % CHECK_EVERY:
             return
         if self._since_refit >= self._wait:
-            err, bias = self.recent_error()
-            if err > self.threshold and abs(bias) > self.bias_threshold:
+            recent = list(self.records)[-self.window:]
+            err, bias, split = self._current_error(recent)
+            if err > self.threshold and (abs(bias) > self.bias_threshold or split > self.bias_threshold):
                 self._since_refit = 0
                 self._refit(list(self.records), err)
                 return
         self._relevel()
 
+    def _current_error(self, recent: list[StepRecord]) -> tuple[float, float, float]:
+        """(MAPE, bias, split) of the current model on `recent` (fractions): predictions made now,
+        not the stored ones, which after a rescale or refit come from earlier models. bias =
+        median(measured / predicted) - 1; split = |ratio_plain / ratio_tree - 1| of the two
+        kinds' median ratios (s = 1 and s > 1; 0 unless each has PLAIN_MIN steps): a curve
+        whose shape is wrong is off by different factors at the two."""
+        if not recent:
+            return float("nan"), float("nan"), 0.0
+        s = np.array([r.s for r in recent])
+        meas = np.array([r.verify_s for r in recent])
+        ratio = meas / self.model.predict(s, np.array([r.c for r in recent]))
+        plain, tree = ratio[s == 1], ratio[s > 1]
+        split = 0.0
+        if len(plain) >= PLAIN_MIN and len(tree) >= PLAIN_MIN:
+            a, b = float(np.median(plain)), float(np.median(tree))
+            split = abs(a / b - 1.0) if b > 0 and math.isfinite(a / b) else math.inf
+        return float(np.mean(np.abs(ratio - 1.0) / ratio)), float(np.median(ratio)) - 1.0, split
+
     def _relevel(self) -> None:
-        """Rescale the model by the median measured / predicted ratio of the last `level_window`
-        steps (fewer at the start, at least CHECK_EVERY), predicted by the current model, when
-        it is off 1 by more than bias_threshold."""
+        """Rescale the model to the last `level_window` steps (fewer at the start, at least
+        CHECK_EVERY), predicted by the current model: by the median measured / predicted ratio
+        of plain steps (s = 1) and of trees (s > 1), their geometric mean when both kinds have
+        PLAIN_MIN steps, when it is off 1 by more than bias_threshold. Not when the two kinds
+        disagree by more than bias_threshold: that is a wrong shape, which a refit repairs and a
+        rescale would hide (it would move the bias the refit waits for back to 0)."""
         if self.level_window <= 0:
             return
         recent = list(self.records)[-self.level_window:]
         if len(recent) < CHECK_EVERY:
             return
-        pred = self.model.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
-        ratio = float(np.median(np.array([r.verify_s for r in recent]) / pred))
-        if not abs(ratio - 1.0) > self.bias_threshold:  # also false for nan
+        s = np.array([r.s for r in recent])
+        ratio = np.array([r.verify_s for r in recent]) / self.model.predict(s, np.array([r.c for r in recent]))
+        kinds = [float(np.median(ratio[m])) for m in (s == 1, s > 1) if m.sum() >= PLAIN_MIN]
+        if not all(math.isfinite(k) and k > 0 for k in kinds):  # a zero or broken prediction: leave it to a refit
             return
-        self.model = self.model.scaled(ratio)
+        if len(kinds) == 2 and abs(kinds[0] / kinds[1] - 1.0) > self.bias_threshold:
+            return
+        factor = float(np.exp(np.mean(np.log(kinds)))) if kinds else float(np.median(ratio))
+        if not (math.isfinite(factor) and factor > 0 and abs(factor - 1.0) > self.bias_threshold):
+            return
+        self.model = self.model.scaled(factor)
         self.rescales += 1
-        log.debug("latency model level x%.3f (median of the last %d steps)", ratio, len(recent))
+        log.debug("latency model level x%.3f (the last %d steps)", factor, len(recent))
         if self.on_rescale is not None:
-            self.on_rescale(self.model, ratio)
+            self.on_rescale(self.model, factor)
 
     def recent_error(self, n: int | None = None) -> tuple[float, float]:
         """(MAPE, bias) of the predictions made for the last n (default `window`) steps, fractions:

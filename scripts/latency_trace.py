@@ -7,7 +7,7 @@ every verification: tree size s, context c, measured and predicted seconds. Prin
 each `--window` steps and the median plain step (the machine's own speed), then replays the
 same measured steps through fresh profilers started from the same calibration with level
 tracking on and off (the decisions of the live run are kept; only the model's error differs).
-Writes a compact JSON with the per-window figures to --out.
+Writes a compact JSON with the per-window figures and the per-step trace to --out.
 Usage: python scripts/latency_trace.py DTYPE [--busy] [--sets mt-bench:4,humaneval:4,math:4]
        [--tokens 128] [--window 64] [--out FILE]
 """
@@ -97,6 +97,8 @@ res = {"dtype": args.dtype, "busy_calibration": args.busy, "steps": len(steps), 
                                                                               np.array([x[3] for x in steps])[args.window:])), 3)},
        "median_plain_ms": plain, "replay": replay,
        "mean_tree": round(float(s.mean()), 2)}
+res["trace"] = {"s": s.tolist(), "c": c.tolist(), "measured_ms": [round(1e3 * x, 2) for x in meas],
+                "predicted_ms": [round(1e3 * x[3], 2) for x in steps]}
 snap = eng.controller.snapshot()
 res["controller"] = {k: snap.get(k) for k in ("steps", "gate")}
 print(json.dumps(res, indent=1, default=str))

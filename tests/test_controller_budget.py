@@ -157,6 +157,39 @@ def test_the_model_level_follows_a_slow_down_too_small_for_a_refit_and_back():
     assert errs_alone[200 + window:400].min() > 0.1  # the refit alone leaves it off
 
 
+def test_a_wrong_shape_is_refitted_not_hidden_by_a_rescale():
+    """Trees become 2.5x dearer while plain steps keep their cost (the compute line steepens):
+    plain steps and trees are off by different factors, so the level is not rescaled (a rescale
+    would move the median ratio the refit waits for back to 1 and leave the trees 40-60 % off
+    for good); the refit repairs the shape. The drift check judges the current model, so the
+    refits back off once it holds."""
+    rng = np.random.default_rng(0)
+    ctl = make_controller(refit_window=64, refit_threshold=0.15)
+    assert ctl.profiler.level_window == profiler_mod.LEVEL_WINDOW
+    truth0 = LatencyModel(SHAPE, CEIL, PARAMS)
+    truth1 = LatencyModel(SHAPE, CEIL, LatencyParams(PARAMS.alpha_c * 2.5, PARAMS.beta_c, PARAMS.alpha_m, PARAMS.beta_m))
+    assert truth1.predict(1, 300) == truth0.predict(1, 300) and truth1.predict(64, 300) > 2.4 * truth0.predict(64, 300)
+    errs = []
+    for i in range(1500):
+        truth = truth0 if i < 200 else truth1
+        n, c = (1, 1, 64, 64, 16)[i % 5], 200 + i % 300
+        errs.append(abs(ctl.model.predict(n, c) / truth.predict(n, c) - 1))
+        ctl.record_step(n, c, truth.predict(n, c) * (1 + 0.03 * rng.standard_normal()), 1e-3, 1e-3, 1.0, 1,
+                        drafted=n > 1)
+    errs = np.array(errs)
+    assert ctl.profiler.rescales == 0 and 1 <= ctl.profiler.refits <= 4
+    assert np.mean(errs[600:]) < 0.05 and errs[1000:].max() < 0.1
+
+
+def test_a_zero_prediction_rescales_nothing_and_crashes_nothing():
+    ctl = make_controller()
+    ctl.profiler.model = LatencyModel(SHAPE, CEIL, LatencyParams(0.0, 0.0, 0.0, 0.0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for i in range(2 * profiler_mod.LEVEL_WINDOW):
+            ctl.record_step(1, 100 + i, 0.02, 1e-3, 1e-3, 1.0, 1, drafted=False)
+    assert ctl.profiler.rescales == 0
+
+
 def test_a_rescale_scales_the_whole_curve_and_is_exported():
     reg = CollectorRegistry()
     ctl = make_controller(reg)

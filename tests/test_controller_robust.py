@@ -132,7 +132,7 @@ def test_calibration_spoiled_by_outliers_still_gives_the_right_tree_size(tmp_pat
     assert len(drafted) >= 0.8 * len(sizes)  # drafting pays here: it stays on (exploration and noise aside)
 
 
-def test_online_refit_repairs_a_calibration_taken_on_a_busy_machine(tmp_path):
+def test_online_repair_of_a_calibration_taken_on_a_busy_machine(tmp_path):
     """The whole calibration ran beside another CPU-heavy process (every forward 1.5-2.5x slow,
     at random): the model over-prices every forward about 2x. Steps on the quiet machine bring
     the online error under 15 % within a few hundred steps (rescales of the level, or refits); drafting stays on throughout (its
@@ -148,7 +148,7 @@ def test_online_refit_repairs_a_calibration_taken_on_a_busy_machine(tmp_path):
     assert ctl.model.predict(1, c) > 1.25 * float(true_seconds(1, c))  # off at the start
     sizes = simulate(ctl, marg, 300)
     # a uniformly slow calibration is a wrong level, not a wrong shape: a rescale repairs it
-    assert ctl.profiler.refits + ctl.profiler.rescales >= 1
+    assert ctl.profiler.rescales >= 1
     assert ctl.profiler.recent_mape() < 0.15
     assert sum(n > 1 for n in sizes) >= 0.85 * len(sizes)
     best = max(throughput(n, c, marg) for n in range(1, 129))

@@ -14,6 +14,7 @@ from engine.forward import TargetForward
 from training.features import teacher_forced
 from training.generate import decode_many
 from training.shards import Sequence, write_shard
+import training.train_loop as train_loop_mod
 from training.train import DrafterTrainer, TrainConfig, block_attention_mask, frequent_vocab, make_batch, to_drafter
 from training.train_loop import (TokenData, build, choose_autocast, export, load_state, save_ckpt, save_state, train_stage, train_step,
                                  validate)
@@ -160,6 +161,11 @@ def test_autocast_is_chosen_by_timing_both_and_leaves_the_weights_alone(target, 
     on, timed = choose_autocast(tr, batch, "auto")
     assert set(timed) == {"bf16_s", "fp32_s"} and min(timed.values()) > 0
     assert on == (timed["bf16_s"] < timed["fp32_s"])
+    # a resumed run keeps its mode unless the other one is clearly faster
+    tl_margin = 1 - train_loop_mod.AUTOCAST_MARGIN
+    kept, t2 = choose_autocast(tr, batch, "auto", current=not on)
+    loser, winner = (t2["fp32_s"], t2["bf16_s"]) if on else (t2["bf16_s"], t2["fp32_s"])
+    assert kept == (not on if winner > tl_margin * loser else on)
     assert all(torch.equal(before[k], v) for k, v in tr.model.state_dict().items())
     assert all(p.grad is None for p in tr.model.parameters())
     assert choose_autocast(tr, batch, "on") == (True, {}) and choose_autocast(tr, batch, "off") == (False, {})
@@ -246,7 +252,7 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
                               steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
                               eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
                               state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4,
-                              val_steps=25)
+                              val_steps=25, autocast="off")
     log = logging.getLogger("test")
     # A tiny config: the stage builds from args, so patch the target-specific fields through TrainConfig defaults.
     import training.train_loop as tl
@@ -258,6 +264,7 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         train_stage(args, tmp_path, log, target=target)
         ck = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
         assert ck["state"]["step"] == 3 and ck["state"]["sampler"]["pos"] == 6
+        assert ck["cfg"]["autocast"] is False  # --autocast off, over TrainConfig's default
         assert load_state(tmp_path / "state")["state"]["step"] == 3
         args.steps = 5
         train_stage(args, tmp_path, log, target=target)

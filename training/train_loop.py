@@ -427,34 +427,52 @@ def train_step(trainer: DrafterTrainer, opt, batch: dict, step: int) -> dict:
     return m
 
 
-def time_step(trainer: DrafterTrainer, batch: dict, autocast: bool, reps: int = 2) -> float:
-    """Median seconds of a training step's forward and backward (no optimiser step; gradients
-    are dropped), with or without bfloat16 autocast, after one untimed warm-up."""
+def time_step(trainer: DrafterTrainer, batch: dict, autocast: bool, reps: int = 2, warm: bool = True) -> float:
+    """Fastest of `reps` timings (seconds) of a training step's forward and backward (no
+    optimiser step; gradients are dropped; the model is left in train mode, as train_step
+    leaves it), with or without bfloat16 autocast, after one untimed warm-up when `warm`."""
     trainer.model.train()
     times = []
-    for i in range(reps + 1):
+    for i in range(reps + int(warm)):
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = trainer(batch)
         out["loss"].backward()
-        if i:
+        if i or not warm:
             times.append(time.perf_counter() - t0)
         trainer.model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
-def choose_autocast(trainer: DrafterTrainer, batch: dict, mode: str = "auto") -> tuple[bool, dict]:
-    """Whether to train under bfloat16 autocast: "on" / "off" as given; "auto" times a step
-    both ways on `batch` (time_step) and keeps the faster. bfloat16 pays only where the CPU
-    has bfloat16 matrix units: 1.6x faster with avx512_bf16, and 8x slower on an avx2-only
-    EPYC (docs/drafter.md, "Version 3"). Returns (autocast, {"bf16_s", "fp32_s"} when timed).
-    Raises ValueError for another mode."""
+#: The mode a run already uses is kept unless the other is faster by more than this fraction
+#: (near-ties would otherwise flip the numerics between sessions).
+AUTOCAST_MARGIN = 0.15
+
+
+def choose_autocast(trainer: DrafterTrainer, batch: dict, mode: str = "auto",
+                    current: bool | None = None) -> tuple[bool, dict]:
+    """Whether to train under bfloat16 autocast: "on" / "off" as given; "auto" times a step both
+    ways on `batch` (time_step) and keeps the faster, or `current` (the resumed run's choice)
+    unless the other is more than AUTOCAST_MARGIN faster. float32 is timed first; a cold
+    bfloat16 step slower than twice that ends the probe (on an avx2-only EPYC a step took 23.1 s
+    in bfloat16 against 1.45 s in float32; with avx512_bf16 bfloat16 was 1.6x faster,
+    docs/drafter.md "Training on an avx2-only machine"). Returns (autocast, {"fp32_s",
+    "bf16_s"} as timed). Raises ValueError for another mode."""
     if mode in ("on", "off"):
         return mode == "on", {}
     if mode != "auto":
         raise ValueError(f"autocast is auto, on or off, got {mode!r}")
-    timed = {"bf16_s": time_step(trainer, batch, True), "fp32_s": time_step(trainer, batch, False)}
-    return timed["bf16_s"] < timed["fp32_s"], timed
+    timed = {"fp32_s": time_step(trainer, batch, False)}
+    timed["bf16_s"] = time_step(trainer, batch, True, reps=1, warm=False)
+    if timed["bf16_s"] > 2 * timed["fp32_s"]:
+        return False, timed
+    timed["bf16_s"] = min(timed["bf16_s"], time_step(trainer, batch, True))
+    faster = timed["bf16_s"] < timed["fp32_s"]
+    if current is not None and faster != current:
+        t_cur, t_other = (timed["bf16_s"], timed["fp32_s"]) if current else (timed["fp32_s"], timed["bf16_s"])
+        if t_other > (1 - AUTOCAST_MARGIN) * t_cur:
+            return current, timed
+    return faster, timed
 
 
 def config_from_args(args, target_config) -> TrainConfig:
@@ -534,13 +552,17 @@ def train_stage(args, out: Path, log, target=None) -> None:
     if cfg.draft_vocab:  # re-chosen from all data loaded now (the weights do not depend on it)
         trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
     cfg.steps = args.steps  # the horizon may grow when training continues
-    probe = data.records(data.train_idx[: cfg.batch])
-    cfg.autocast, timed = choose_autocast(trainer, make_batch(probe, cfg, torch.Generator().manual_seed(0),
-                                                              soft=cfg.soft_weight > 0), getattr(args, "autocast", "auto"))
-    log.info("train: bfloat16 autocast %s %s", "on" if cfg.autocast else "off",
-             "(step %.0f ms with it, %.0f ms without)" % (1e3 * timed["bf16_s"], 1e3 * timed["fp32_s"]) if timed else "(as asked)")
     state = dict(ckpt["state"]) if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0,
                                               "feature_s": 0.0}
+    if state["step"] < cfg.steps:  # the machine decides, on the first training sequences (their features are kept)
+        t0 = time.perf_counter()
+        probe = data.records(data.train_idx[: cfg.batch])
+        state["feature_s"] = state.get("feature_s", 0.0) + time.perf_counter() - t0
+        cfg.autocast, timed = choose_autocast(trainer, make_batch(probe, cfg, torch.Generator().manual_seed(0),
+                                                                  soft=cfg.soft_weight > 0),
+                                              args.autocast, current=cfg.autocast if ckpt else None)
+        log.info("train: bfloat16 autocast %s (%s)", "on" if cfg.autocast else "off",
+                 ", ".join(f"{k} {v:.2f}" for k, v in timed.items()) or "as asked")
     if ckpt is None and args.init:
         from drafting.dflash import load_dflash
 
