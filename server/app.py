@@ -174,16 +174,20 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD for load balancers' health checks
     async def health():
+        # A 503 here is the probe's answer, not a failed request: it is returned, not raised, so
+        # start-up and drain polls stay out of bastion_http_errors_total.
         if scheduler.draining:
-            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
-        if scheduler.ready.is_set():
+        elif scheduler.ready.is_set():
             return {"status": "ok"}
-        if scheduler.load_error is not None:
+        elif scheduler.load_error is not None:
             what = "the engine worker stopped" if scheduler.worker_failed else "the model failed to load"
-            raise APIError(503, f"{what}; see the server log", type="server_error", code="engine_failed")
-        raise APIError(503, "the model is still loading", type="server_error", code="model_not_ready",
-                       headers={"Retry-After": "5"})
+            err = APIError(503, f"{what}; see the server log", type="server_error", code="engine_failed")
+        else:
+            err = APIError(503, "the model is still loading", type="server_error", code="model_not_ready",
+                           headers={"Retry-After": "5"})
+        return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
 
     @app.get("/metrics", dependencies=[Depends(refuse_cross_site)])
     async def prometheus_metrics(request: Request):

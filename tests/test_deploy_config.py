@@ -290,7 +290,7 @@ def test_dashboard_covers_the_required_panels():
     titles = " | ".join(p["title"].lower() for d in load_dashboards() for p in iter_panels(d["panels"]))
     for words in ("speedup", "accepted length", "per depth", "tree size", "predicted vs measured", "fit error",
                   "latency table", "tokens/s", "time to first token", "inter-token", "running / waiting",
-                  "error rate by http status"):
+                  "error rate by http status", "refits and rescales"):
         assert words in titles, words
 
 

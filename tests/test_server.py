@@ -490,16 +490,24 @@ def test_health_is_503_until_the_model_is_ready(live):
         release.wait(30)
         return live.engine
 
-    app = create_app(slow_factory, ServerConfig(served_model_name=MODEL), CollectorRegistry())
+    registry = CollectorRegistry()
+    app = create_app(slow_factory, ServerConfig(served_model_name=MODEL), registry)
+
+    def errors_503():
+        return registry.get_sample_value("bastion_http_errors_total", {"status": "503"}) or 0.0
 
     async def scenario():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-                r = await http.get("/health")
-                assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+                for _ in range(3):  # a readiness probe polling during start-up
+                    r = await http.get("/health")
+                    assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
+                    assert r.headers["retry-after"] == "5"
+                assert errors_503() == 0  # the probe's answer is not an error response
                 r = await http.post(C, json=chat_body("Say hi"))
                 assert r.status_code == 503 and r.headers["retry-after"] == "5"
+                assert errors_503() == 1  # a refused request is
                 release.set()
                 for _ in range(300):
                     if (await http.get("/health")).status_code == 200:
