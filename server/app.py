@@ -137,10 +137,13 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
     app.state.serving = serving
     app.state.metrics = metrics
 
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+
     async def error_handler(request: Request, exc: Exception) -> JSONResponse:
         err = to_api_error(exc)
         metrics.http_errors.labels(status=str(err.status)).inc()
-        return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+        return error_response(err)
 
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, ClientDisconnect, Exception):
         app.add_exception_handler(exc_type, error_handler)
@@ -177,17 +180,16 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig | None
         # A 503 here is the probe's answer, not a failed request: it is returned, not raised, so
         # start-up and drain polls stay out of bastion_http_errors_total.
         if scheduler.draining:
-            err = APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                           headers={"Retry-After": "5"})
-        elif scheduler.ready.is_set():
+            return error_response(APIError(503, "the server is shutting down", type="server_error",
+                                           code="shutting_down", headers={"Retry-After": "5"}))
+        if scheduler.ready.is_set():
             return {"status": "ok"}
-        elif scheduler.load_error is not None:
+        if scheduler.load_error is not None:
             what = "the engine worker stopped" if scheduler.worker_failed else "the model failed to load"
-            err = APIError(503, f"{what}; see the server log", type="server_error", code="engine_failed")
-        else:
-            err = APIError(503, "the model is still loading", type="server_error", code="model_not_ready",
-                           headers={"Retry-After": "5"})
-        return JSONResponse(err.envelope(), status_code=err.status, headers=err.headers)
+            return error_response(APIError(503, f"{what}; see the server log", type="server_error",
+                                           code="engine_failed"))
+        return error_response(APIError(503, "the model is still loading", type="server_error",
+                                       code="model_not_ready", headers={"Retry-After": "5"}))
 
     @app.get("/metrics", dependencies=[Depends(refuse_cross_site)])
     async def prometheus_metrics(request: Request):

@@ -36,8 +36,8 @@ class ServerMetrics:
         r = registry
         self.requests = Counter("bastion_requests", "Finished requests by finish reason "
                                 "(stop, length, cancelled, error)", ["finish_reason"], registry=r)
-        self.http_errors = Counter("bastion_http_errors", "Error responses by HTTP status (not /health's "
-                                   "503 answers while loading or draining)", ["status"], registry=r)
+        self.http_errors = Counter("bastion_http_errors", "Error responses by HTTP status (not /health's 503 "
+                                   "answers: loading, draining, engine failed)", ["status"], registry=r)
         self.prompt_tokens = Counter("bastion_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("bastion_generation_tokens", "Tokens returned to clients", registry=r)
         self.ttft = Histogram("bastion_time_to_first_token_seconds",
