@@ -57,6 +57,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=20000, help="cosine schedule horizon (steps)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--blocks", type=int, default=16, help="anchors per sequence per step")
+    parser.add_argument("--echo", type=int, default=1,
+                        help="train on a batch whose features had to be computed this many steps in a row, "
+                             "anchors re-drawn each time (data echoing: on a machine without the feature cache "
+                             "the target's forward costs ~4x a training step; cached batches are used once)")
     parser.add_argument("--autocast", default="auto", choices=["auto", "on", "off"],
                         help="bfloat16 autocast for training steps (auto: time a step both ways and keep the faster)")
     parser.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: run to --steps)")

@@ -308,6 +308,56 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         tl.config_from_args = orig
 
 
+def test_echo_repeats_only_batches_that_ran_the_target_and_resumes_mid_repeat(target, tmp_path):
+    """--echo 2: each batch whose features were computed trains two steps (the sampler advances
+    every other step), batches read from the cache train once, and a run stopped between the
+    two steps of a repeat resumes into the repeat's second step."""
+    _write_data(target, tmp_path / "data")
+    args = argparse.Namespace(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3,
+                              steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
+                              eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
+                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4,
+                              val_steps=0, autocast="off", echo=2)
+    log = logging.getLogger("test")
+    import training.train_loop as tl
+
+    orig = tl.config_from_args
+    tl.config_from_args = lambda a, c: cfg_for(draft_vocab=a.draft_vocab, steps=a.steps, batch=a.batch,
+                                               blocks=a.blocks)
+    calls = []
+    orig_records = tl.TokenData.records
+    tl.TokenData.records = lambda self, idx: calls.append(list(idx)) or orig_records(self, idx)
+    try:
+        train_stage(args, tmp_path, log, target=target)  # steps 1-3: batch A twice, then B once
+        st = load_state(tmp_path / "state")["state"]
+        # the start-up probe read the first 2 training sequences: their batch, if drawn, is cached
+        assert st["step"] == 3 and st["sampler"]["pos"] == 4
+        assert st["echo_left"] == 1 and st["echoed"] == 1
+        a, b = calls[1:3], calls[3]
+        assert a[0] == a[1] and b != a[0] and st["echo_idx"] == b
+        calls.clear()
+        (tmp_path / "train" / "ckpt.pt").unlink()  # a new machine: the committed state alone
+        args.steps = 4
+        train_stage(args, tmp_path, log, target=target)
+        st = load_state(tmp_path / "state")["state"]
+        assert calls[-1] == b  # the repeat's second step, not a new batch
+        assert st["step"] == 4 and st["sampler"]["pos"] == 4 and st["echo_left"] == 0 and st["echoed"] == 2
+        # Epoch 0 repeats every batch but one made only of the start-up probe's (cached) sequences;
+        # epoch 1 reads every batch from the cache and repeats none.
+        sampler = tl.EpochSampler(0)
+        epoch0 = [set(sampler.take(12, 2)) for _ in range(6)]
+        computed = sum(not b <= {0, 1} for b in epoch0)  # train_idx positions 0, 1: the probe
+        assert computed >= 5
+        args.steps = 6 + computed + 3
+        train_stage(args, tmp_path, log, target=target)
+        st = load_state(tmp_path / "state")["state"]
+        assert st["sampler"]["epoch"] == 1 and st["sampler"]["pos"] == 6
+        assert st["echoed"] == computed and st["echo_left"] == 0
+    finally:
+        tl.config_from_args = orig
+        tl.TokenData.records = orig_records
+
+
 def test_train_stage_dtype_follows_the_data_so_captured_features_are_found(tmp_path):
     from bastion.train_drafter import train_dtype
 

@@ -94,6 +94,10 @@ class TokenData:
             c += torch.bincount(self.ids[i][self.prompt_lens[i]:].long(), minlength=vocab_size)
         return c
 
+    def needs_features(self, indices: list[int]) -> bool:
+        """Whether any of sequences `indices` has no cached features yet (`records` would run the target)."""
+        return any(not self._where[i][0].done[self._where[i][1]] for i in indices)
+
     def records(self, indices: list[int]) -> list[dict]:
         """Training records (ids, prompt_len, features, top_ids, top_lp) of sequences `indices`,
         computing the missing features in one teacher-forced call first."""
@@ -523,7 +527,10 @@ def train_stage(args, out: Path, log, target=None) -> None:
     """Train until `args.steps` (the cosine horizon; may be raised on resume) or `args.minutes`.
 
     target: a loaded engine.loader.Target (default: the embedded target in float32); features
-    and evaluation both run through it, in its dtype.
+    and evaluation both run through it, in its dtype. args.echo (default 1): a batch that ran the
+    target for its features is trained on that many consecutive steps, anchors re-drawn each time
+    (data echoing, Choi et al. 2019, arXiv 1907.05550; docs/drafter.md); the repeat and its
+    sequences are part of the resumable state.
     """
     from engine.forward import target_forward_for
     from engine.loader import cache_root, load_target
@@ -584,6 +591,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
     gen = torch.Generator().manual_seed(cfg.seed + state["step"])
     if "gen_state" in state:
         gen.set_state(state["gen_state"])
+    echo = max(1, int(getattr(args, "echo", 1)))
     t_start = time.time()
     last_ckpt = last_eval = time.time()
 
@@ -635,7 +643,15 @@ def train_stage(args, out: Path, log, target=None) -> None:
                 trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
             log.info("train: data now %d sequences, %d response tokens", len(data), data.tokens)
         t0 = time.perf_counter()
-        seqs = data.records([data.train_idx[i] for i in sampler.take(len(data.train_idx), cfg.batch)])
+        if state.get("echo_left", 0) > 0:  # the sequences of the last computed batch again, new anchors
+            idx = state["echo_idx"]
+            state["echo_left"] -= 1
+            state["echoed"] = state.get("echoed", 0) + 1
+        else:
+            idx = [data.train_idx[i] for i in sampler.take(len(data.train_idx), cfg.batch)]
+            if echo > 1 and data.needs_features(idx):
+                state["echo_idx"], state["echo_left"] = idx, echo - 1
+        seqs = data.records(idx)
         t1 = time.perf_counter()
         batch = make_batch(seqs, cfg, gen, soft=cfg.soft_weight > 0)
         m = train_step(trainer, opt, batch, state["step"])
