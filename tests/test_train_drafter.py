@@ -244,15 +244,21 @@ def _write_data(target, folder, n_shards=2):
         write_shard(folder, [Sequence(r["ids"].numpy(), r["prompt_len"], "test", False) for r in recs], "tiny")
 
 
+def _stage_args(tmp_path, **kw) -> argparse.Namespace:
+    """train_stage's arguments for the tiny target, 3 steps, data / state / features under tmp_path."""
+    base = dict(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3, steps=3, batch=2,
+                blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100, eval_prompts=0, eval_tokens=8, ship="",
+                init="", data_dir=str(tmp_path / "data"), state_dir=str(tmp_path / "state"),
+                feature_cache=str(tmp_path / "features"), top_k=4, autocast="off")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
 def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(target, tmp_path):
     """The stage runs to --steps and writes ckpt.pt and the compact state; a second run with a larger
     horizon continues it; without ckpt.pt (a new machine) it continues from the committed state."""
     _write_data(target, tmp_path / "data")
-    args = argparse.Namespace(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3,
-                              steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
-                              eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
-                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4,
-                              val_steps=25, autocast="off")
+    args = _stage_args(tmp_path, val_steps=25)
     log = logging.getLogger("test")
     # A tiny config: the stage builds from args, so patch the target-specific fields through TrainConfig defaults.
     import training.train_loop as tl
@@ -313,11 +319,7 @@ def test_echo_repeats_only_batches_that_ran_the_target_and_resumes_mid_repeat(ta
     every other step), batches read from the cache train once, and a run stopped between the
     two steps of a repeat resumes into the repeat's second step."""
     _write_data(target, tmp_path / "data")
-    args = argparse.Namespace(block_size=4, layers=1, draft_vocab=12, no_inject=False, soft_weight=0.5, lr=1e-3,
-                              steps=3, batch=2, blocks=3, minutes=0, ckpt_minutes=100, eval_minutes=100,
-                              eval_prompts=0, eval_tokens=8, ship="", init="", data_dir=str(tmp_path / "data"),
-                              state_dir=str(tmp_path / "state"), feature_cache=str(tmp_path / "features"), top_k=4,
-                              val_steps=0, autocast="off", echo=2)
+    args = _stage_args(tmp_path, val_steps=0, echo=2)
     log = logging.getLogger("test")
     import training.train_loop as tl
 

@@ -94,14 +94,14 @@ class TokenData:
             c += torch.bincount(self.ids[i][self.prompt_lens[i]:].long(), minlength=vocab_size)
         return c
 
-    def needs_features(self, indices: list[int]) -> bool:
-        """Whether any of sequences `indices` has no cached features yet (`records` would run the target)."""
-        return any(not self._where[i][0].done[self._where[i][1]] for i in indices)
+    def uncached(self, indices: list[int]) -> list[int]:
+        """Those of sequences `indices` with no cached features yet (`records` runs the target for them)."""
+        return [i for i in indices if not self._where[i][0].done[self._where[i][1]]]
 
     def records(self, indices: list[int]) -> list[dict]:
         """Training records (ids, prompt_len, features, top_ids, top_lp) of sequences `indices`,
         computing the missing features in one teacher-forced call first."""
-        todo = [i for i in indices if not self._where[i][0].done[self._where[i][1]]]
+        todo = self.uncached(indices)
         if todo:
             for i, rec in zip(todo, teacher_forced(self.fw, [(self.ids[i].numpy(), self.prompt_lens[i]) for i in todo],
                                                    self.layers, self.top_k)):
@@ -649,7 +649,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
             state["echoed"] = state.get("echoed", 0) + 1
         else:
             idx = [data.train_idx[i] for i in sampler.take(len(data.train_idx), cfg.batch)]
-            if echo > 1 and data.needs_features(idx):
+            if echo > 1 and data.uncached(idx):
                 state["echo_idx"], state["echo_left"] = idx, echo - 1
         seqs = data.records(idx)
         t1 = time.perf_counter()
