@@ -50,6 +50,8 @@ def add_arguments(parser) -> None:
     # train
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2, help="drafter layers (2: the ablation in docs/drafter.md)")
+    parser.add_argument("--feature-layers", type=int, default=3,
+                        help="target layers the drafter reads (3: [1, 14, 27]; other counts spread evenly)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="reduced output vocabulary (0: full)")
     parser.add_argument("--no-inject", action="store_true", help="disable the anchor-feature injection")
     parser.add_argument("--soft-weight", type=float, default=0.5, help="share of the soft-label distillation loss")
@@ -63,6 +65,8 @@ def add_arguments(parser) -> None:
                              "the target's forward costs ~4x a training step; cached batches are used once)")
     parser.add_argument("--autocast", default="auto", choices=["auto", "on", "off"],
                         help="bfloat16 autocast for training steps (auto: time a step both ways and keep the faster)")
+    parser.add_argument("--train-sequences", type=int, default=0,
+                        help="train on the first N training sequences only (0: all; the held-out set stays whole)")
     parser.add_argument("--minutes", type=float, default=0.0, help="stop training after this many minutes (0: run to --steps)")
     parser.add_argument("--ckpt-minutes", type=float, default=5.0, help="checkpoint every this many minutes")
     parser.add_argument("--eval-minutes", type=float, default=15.0, help="speculative-decoding eval every this many minutes")
@@ -110,7 +114,8 @@ def stage_data(args, out: Path, log) -> None:
     man = build_shards(Path(args.data_dir), target, fw, args.response_tokens, shard_prompts=args.shard_prompts,
                        max_new=args.max_new, slots=args.gen_slots, max_shards=args.max_shards,
                        feature_cache=Path(args.feature_cache or cache_root() / "drafter-features"),
-                       feature_layers=tuple(i + 1 for i in layer_ids_for(target.config)), top_k=args.top_k,
+                       feature_layers=tuple(i + 1 for i in layer_ids_for(target.config, args.feature_layers)),
+                       top_k=args.top_k,
                        progress=lambda e: log.info("%(file)s: %(sequences)d seqs, %(response_tokens)d response tokens, "
                                                    "%(seconds).0f s, %(response_tok_per_s).0f tok/s", e))
     log.info("data done: %s", man.get("totals"))

@@ -360,6 +360,49 @@ def test_echo_repeats_only_batches_that_ran_the_target_and_resumes_mid_repeat(ta
         tl.TokenData.records = orig_records
 
 
+def test_feature_layer_count_and_training_subset_reach_the_run(tmp_path):
+    """--feature-layers N reads N target layers by the default rule (SmolLM2's 30 layers: 3 -> the
+    default [1, 14, 27], 5 -> [1, 8, 14, 20, 27]) and the run trains on exactly those features;
+    --train-sequences N trains on the first N training sequences only, the held-out set whole."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from helpers import tiny_target
+
+    from training.train_loop import layer_ids_for
+
+    smol = SimpleNamespace(num_hidden_layers=30)
+    assert layer_ids_for(smol) == [1, 14, 27] and layer_ids_for(smol, 5) == [1, 8, 14, 20, 27]
+    for bad in (0, 31):
+        with pytest.raises(ValueError, match="feature layers"):
+            layer_ids_for(smol, bad)
+    deep = tiny_target(vocab=16, seed=3, layers=6)
+    _write_data(deep, tmp_path / "data")  # 2 shards of 6 sequences
+    fw = TargetForward(deep.model, packed=False)
+    sub = TokenData(tmp_path / "data", fw, (2, 4), tmp_path / "features", top_k=4, holdout_every=3, max_train=5)
+    sub.refresh()
+    assert sub.train_idx == [0, 1, 3, 4, 6] and sub.val_idx == [2, 5, 8, 11]
+    args = _stage_args(tmp_path, val_steps=0, feature_layers=2, train_sequences=5, steps=4)
+    import training.train_loop as tl
+
+    orig, orig_records = tl.config_from_args, tl.TokenData.records
+    tl.config_from_args = lambda a, c: replace(orig(a, c), mask_token_id=15, intermediate_size=64, warmup=0.0)
+    seen = []
+    tl.TokenData.records = lambda self, idx: seen.append((self.layers, list(idx))) or orig_records(self, idx)
+    try:
+        train_stage(args, tmp_path, logging.getLogger("test"), target=deep)
+    finally:
+        tl.config_from_args, tl.TokenData.records = orig, orig_records
+    ck = torch.load(tmp_path / "train" / "ckpt.pt", weights_only=False)
+    assert ck["cfg"]["target_layer_ids"] == [1, 3]  # default_target_layer_ids(6, 2)
+    assert ck["state"]["step"] == 4 and ck["state"]["sampler"]["n"] == 5
+    assert {layers for layers, _ in seen} == {(2, 4)}  # hidden_states indices of layers 1 and 3
+    assert set().union(*(set(i) for _, i in seen)) <= set(range(5))  # no held-out count: the first 5 of 12
+    w = ck["model"]
+    fc = [v for k, v in w.items() if k.endswith("fc.weight")]
+    assert fc and fc[0].shape[1] == 2 * 32  # the projection reads two layers of width 32
+
+
 def test_train_stage_dtype_follows_the_data_so_captured_features_are_found(tmp_path):
     from bastion.train_drafter import train_dtype
 

@@ -42,12 +42,15 @@ class TokenData:
     Sequences with fewer than `min_response` response tokens are skipped. Every
     `HOLDOUT_EVERY`-th sequence of each shard (j % holdout_every == holdout_every - 1; 0: none) is held
     out: `train_idx` lists the sequences training samples, `val_idx` the held-out ones that
-    `validate` scores (the same sequences on every machine, since shards are in git).
+    `validate` scores (the same sequences on every machine, since shards are in git). max_train > 0
+    keeps only the first max_train training sequences in manifest order (a data-subset ablation:
+    the held-out set stays whole, so every run is scored on the same sequences).
     """
 
     def __init__(self, folder: Path, fw, layers: tuple[int, ...], cache_dir: Path, top_k: int = 8,
-                 min_response: int = 2, holdout_every: int | None = None):
+                 min_response: int = 2, holdout_every: int | None = None, max_train: int = 0):
         self.holdout_every = HOLDOUT_EVERY if holdout_every is None else holdout_every
+        self.max_train = max_train
         self.folder, self.fw, self.layers, self.top_k = Path(folder), fw, tuple(layers), top_k
         self.cache_dir = Path(cache_dir)
         self.min_response = min_response
@@ -82,7 +85,10 @@ class TokenData:
                 self._where.append((store, j))
                 self.tokens += s.response_len
                 held = self.holdout_every and j % self.holdout_every == self.holdout_every - 1
-                (self.val_idx if held else self.train_idx).append(len(self.ids) - 1)
+                if held:
+                    self.val_idx.append(len(self.ids) - 1)
+                elif not self.max_train or len(self.train_idx) < self.max_train:
+                    self.train_idx.append(len(self.ids) - 1)
             self.loaded.append(entry["file"])
             new += 1
         return new
@@ -483,18 +489,23 @@ def config_from_args(args, target_config) -> TrainConfig:
     """The TrainConfig of the command line's training flags for this target."""
     return TrainConfig(block_size=args.block_size, num_layers=args.layers, draft_vocab=args.draft_vocab,
                        inject_anchor=not args.no_inject, soft_weight=args.soft_weight, lr=args.lr, steps=args.steps,
-                       batch=args.batch, blocks=args.blocks, target_layer_ids=tuple(layer_ids_for(target_config)))
+                       batch=args.batch, blocks=args.blocks,
+                       target_layer_ids=tuple(layer_ids_for(target_config, getattr(args, "feature_layers", 3))))
 
 
-def layer_ids_for(target_config) -> list[int]:
-    """The drafter's target layers: TrainConfig's default where the target has them, else three
-    spread evenly (the default rule, docs/method.md section 2)."""
+def layer_ids_for(target_config, count: int = 3) -> list[int]:
+    """The drafter's `count` target layers: TrainConfig's default (three) where the target has them,
+    else `count` spread evenly by the default rule (docs/method.md section 2; for SmolLM2's 30
+    layers five are [1, 8, 14, 20, 27], a superset of the default three). Raises ValueError for
+    count < 1 or more layers than the target has."""
     n = int(target_config.num_hidden_layers)
+    if not 1 <= count <= n:
+        raise ValueError(f"feature layers must be 1..{n} for this target, got {count}")
     ids = list(TrainConfig.target_layer_ids)
-    if max(ids) >= n:
+    if count != len(ids) or max(ids) >= n:
         from drafting.dflash import default_target_layer_ids
 
-        ids = default_target_layer_ids(n, 3)
+        ids = default_target_layer_ids(n, count)
     return ids
 
 
@@ -548,7 +559,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
         cfg = TrainConfig.from_dict(ckpt["cfg"])
     layers = tuple(i + 1 for i in cfg.target_layer_ids)
     data = TokenData(Path(args.data_dir), fw, layers, Path(args.feature_cache or cache_root() / "drafter-features"),
-                     top_k=args.top_k)
+                     top_k=args.top_k, max_train=getattr(args, "train_sequences", 0))
     data.refresh()
     if not len(data):
         raise SystemExit(f"no training sequences in {args.data_dir}: run the data stage first")
