@@ -373,7 +373,7 @@ def test_feature_layer_count_and_training_subset_reach_the_run(tmp_path):
 
     smol = SimpleNamespace(num_hidden_layers=30)
     assert layer_ids_for(smol) == [1, 14, 27] and layer_ids_for(smol, 5) == [1, 8, 14, 20, 27]
-    for bad in (0, 31):
+    for bad in (0, 28, 31):  # 28 of 30 would read layer 14 twice
         with pytest.raises(ValueError, match="feature layers"):
             layer_ids_for(smol, bad)
     deep = tiny_target(vocab=16, seed=3, layers=6)
@@ -382,6 +382,14 @@ def test_feature_layer_count_and_training_subset_reach_the_run(tmp_path):
     sub = TokenData(tmp_path / "data", fw, (2, 4), tmp_path / "features", top_k=4, holdout_every=3, max_train=5)
     sub.refresh()
     assert sub.train_idx == [0, 1, 3, 4, 6] and sub.val_idx == [2, 5, 8, 11]
+    used = sum(len(sub.ids[i]) - sub.prompt_lens[i] for i in sub.train_idx + sub.val_idx)
+    assert sub.tokens == used
+    _write_data(deep, tmp_path / "more", n_shards=3)  # the same 2 shards and a new one: the cap holds
+    sub.folder = tmp_path / "more"
+    assert sub.refresh() == 1 and len(sub) == 18
+    assert sub.train_idx == [0, 1, 3, 4, 6] and sub.val_idx == [2, 5, 8, 11, 14, 17]
+    with pytest.raises(ValueError, match="max_train"):
+        TokenData(tmp_path / "data", fw, (2, 4), tmp_path / "features", max_train=-1)
     args = _stage_args(tmp_path, val_steps=0, feature_layers=2, train_sequences=5, steps=4)
     import training.train_loop as tl
 
@@ -401,6 +409,9 @@ def test_feature_layer_count_and_training_subset_reach_the_run(tmp_path):
     w = ck["model"]
     fc = [v for k, v in w.items() if k.endswith("fc.weight")]
     assert fc and fc[0].shape[1] == 2 * 32  # the projection reads two layers of width 32
+    args.steps, args.train_sequences = 5, 0  # resuming on other data is refused, not silently mixed
+    with pytest.raises(SystemExit, match="train-sequences 5"):
+        train_stage(args, tmp_path, logging.getLogger("test"), target=deep)
 
 
 def test_train_stage_dtype_follows_the_data_so_captured_features_are_found(tmp_path):

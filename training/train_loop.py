@@ -44,12 +44,16 @@ class TokenData:
     out: `train_idx` lists the sequences training samples, `val_idx` the held-out ones that
     `validate` scores (the same sequences on every machine, since shards are in git). max_train > 0
     keeps only the first max_train training sequences in manifest order (a data-subset ablation:
-    the held-out set stays whole, so every run is scored on the same sequences).
+    the held-out set stays whole, so every run is scored on the same sequences; the cap holds
+    across `refresh` calls). `tokens` counts the response tokens of the sequences used (training
+    and held-out). Raises ValueError for a negative max_train.
     """
 
     def __init__(self, folder: Path, fw, layers: tuple[int, ...], cache_dir: Path, top_k: int = 8,
                  min_response: int = 2, holdout_every: int | None = None, max_train: int = 0):
         self.holdout_every = HOLDOUT_EVERY if holdout_every is None else holdout_every
+        if max_train < 0:
+            raise ValueError(f"max_train is a count of sequences (0: all), got {max_train}")
         self.max_train = max_train
         self.folder, self.fw, self.layers, self.top_k = Path(folder), fw, tuple(layers), top_k
         self.cache_dir = Path(cache_dir)
@@ -58,7 +62,7 @@ class TokenData:
         self.ids: list[torch.Tensor] = []
         self.prompt_lens: list[int] = []
         self._where: list[tuple[FeatureStore, int]] = []
-        self.tokens = 0  # response tokens
+        self.tokens = 0  # response tokens of the training and held-out sequences
         self.train_idx: list[int] = []
         self.val_idx: list[int] = []
 
@@ -83,12 +87,14 @@ class TokenData:
                 self.ids.append(torch.from_numpy(s.ids).int())
                 self.prompt_lens.append(s.prompt_len)
                 self._where.append((store, j))
-                self.tokens += s.response_len
                 held = self.holdout_every and j % self.holdout_every == self.holdout_every - 1
                 if held:
                     self.val_idx.append(len(self.ids) - 1)
                 elif not self.max_train or len(self.train_idx) < self.max_train:
                     self.train_idx.append(len(self.ids) - 1)
+                else:
+                    continue
+                self.tokens += s.response_len
             self.loaded.append(entry["file"])
             new += 1
         return new
@@ -486,7 +492,8 @@ def choose_autocast(trainer: DrafterTrainer, batch: dict, mode: str = "auto",
 
 
 def config_from_args(args, target_config) -> TrainConfig:
-    """The TrainConfig of the command line's training flags for this target."""
+    """The TrainConfig of the command line's training flags for this target; its target layers are
+    `--feature-layers` (default 3) spread by `layer_ids_for`. Raises ValueError as that does."""
     return TrainConfig(block_size=args.block_size, num_layers=args.layers, draft_vocab=args.draft_vocab,
                        inject_anchor=not args.no_inject, soft_weight=args.soft_weight, lr=args.lr, steps=args.steps,
                        batch=args.batch, blocks=args.blocks,
@@ -497,15 +504,16 @@ def layer_ids_for(target_config, count: int = 3) -> list[int]:
     """The drafter's `count` target layers: TrainConfig's default (three) where the target has them,
     else `count` spread evenly by the default rule (docs/method.md section 2; for SmolLM2's 30
     layers five are [1, 8, 14, 20, 27], a superset of the default three). Raises ValueError for
-    count < 1 or more layers than the target has."""
+    count < 1 or a count the rule spreads with repeats (28 of 30 layers: two 14s)."""
     n = int(target_config.num_hidden_layers)
-    if not 1 <= count <= n:
-        raise ValueError(f"feature layers must be 1..{n} for this target, got {count}")
     ids = list(TrainConfig.target_layer_ids)
     if count != len(ids) or max(ids) >= n:
         from drafting.dflash import default_target_layer_ids
 
-        ids = default_target_layer_ids(n, count)
+        ids = default_target_layer_ids(n, count) if count >= 1 else []
+    if count < 1 or len(set(ids)) != count:
+        raise ValueError(f"{count} feature layers cannot be spread over this target's {n} layers "
+                         f"without repeats (got {ids})")
     return ids
 
 
@@ -555,15 +563,24 @@ def train_stage(args, out: Path, log, target=None) -> None:
     fw = target_forward_for(target.model)
     cfg = config_from_args(args, target.config)
     ckpt = _resume_point(tdir, state_dir)
+    subset = int(getattr(args, "train_sequences", 0))
     if ckpt is not None:
+        if cfg.target_layer_ids != TrainConfig.from_dict(ckpt["cfg"]).target_layer_ids:
+            log.warning("train: the run resumed reads target layers %s; --feature-layers applies to new runs only "
+                        "(give those their own --state-dir and --out)", list(ckpt["cfg"]["target_layer_ids"]))
+        if ckpt["state"].get("train_sequences", 0) != subset:
+            raise SystemExit(f"the run in {state_dir} trained on --train-sequences "
+                             f"{ckpt['state'].get('train_sequences', 0)} (0: all), not {subset}: pass that, or give "
+                             "another run its own --state-dir and --out")
         cfg = TrainConfig.from_dict(ckpt["cfg"])
     layers = tuple(i + 1 for i in cfg.target_layer_ids)
     data = TokenData(Path(args.data_dir), fw, layers, Path(args.feature_cache or cache_root() / "drafter-features"),
                      top_k=args.top_k, max_train=getattr(args, "train_sequences", 0))
     data.refresh()
-    if not len(data):
+    if not data.train_idx:
         raise SystemExit(f"no training sequences in {args.data_dir}: run the data stage first")
-    log.info("train: %d sequences (%d held out), %d response tokens", len(data), len(data.val_idx), data.tokens)
+    log.info("train: %d training sequences (%d held out), %d response tokens", len(data.train_idx),
+             len(data.val_idx), data.tokens)
     V = target.config.vocab_size
     trainer, opt = build(target.model, cfg, data.counts(V), ckpt)
     cfg = trainer.cfg
@@ -571,7 +588,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
         trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
     cfg.steps = args.steps  # the horizon may grow when training continues
     state = dict(ckpt["state"]) if ckpt else {"step": 0, "train_s": 0.0, "blocks": 0, "best_tau": 0.0, "evals": 0,
-                                              "feature_s": 0.0}
+                                              "feature_s": 0.0, "train_sequences": subset}
     if state["step"] < cfg.steps:  # the machine decides, on the first training sequences (their features are kept)
         t0 = time.perf_counter()
         probe = data.records(data.train_idx[: cfg.batch])
@@ -652,7 +669,7 @@ def train_stage(args, out: Path, log, target=None) -> None:
         if state["step"] % 200 == 0 and data.refresh():
             if cfg.draft_vocab:
                 trainer.set_vocab(frequent_vocab([], V, cfg.draft_vocab, data.counts(V)))
-            log.info("train: data now %d sequences, %d response tokens", len(data), data.tokens)
+            log.info("train: data now %d training sequences, %d response tokens", len(data.train_idx), data.tokens)
         t0 = time.perf_counter()
         if state.get("echo_left", 0) > 0:  # the sequences of the last computed batch again, new anchors
             idx = state["echo_idx"]
