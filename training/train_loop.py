@@ -510,8 +510,8 @@ def layer_ids_for(target_config, count: int = 3) -> list[int]:
     if count != len(ids) or max(ids) >= n:
         from drafting.dflash import default_target_layer_ids
 
-        ids = default_target_layer_ids(n, count) if count >= 1 else []
-    if count < 1 or len(set(ids)) != count:
+        ids = default_target_layer_ids(n, max(count, 1))
+    if len(set(ids)) != count:  # also count < 1: the rule gives at least one layer
         raise ValueError(f"{count} feature layers cannot be spread over this target's {n} layers "
                          f"without repeats (got {ids})")
     return ids
@@ -565,17 +565,17 @@ def train_stage(args, out: Path, log, target=None) -> None:
     ckpt = _resume_point(tdir, state_dir)
     subset = int(getattr(args, "train_sequences", 0))
     if ckpt is not None:
-        if cfg.target_layer_ids != TrainConfig.from_dict(ckpt["cfg"]).target_layer_ids:
+        resumed, its_subset = TrainConfig.from_dict(ckpt["cfg"]), ckpt["state"].get("train_sequences", 0)
+        if cfg.target_layer_ids != resumed.target_layer_ids:
             log.warning("train: the run resumed reads target layers %s; --feature-layers applies to new runs only "
-                        "(give those their own --state-dir and --out)", list(ckpt["cfg"]["target_layer_ids"]))
-        if ckpt["state"].get("train_sequences", 0) != subset:
-            raise SystemExit(f"the run in {state_dir} trained on --train-sequences "
-                             f"{ckpt['state'].get('train_sequences', 0)} (0: all), not {subset}: pass that, or give "
-                             "another run its own --state-dir and --out")
-        cfg = TrainConfig.from_dict(ckpt["cfg"])
+                        "(give those their own --state-dir and --out)", list(resumed.target_layer_ids))
+        if its_subset != subset:
+            raise SystemExit(f"the run in {state_dir} trained on --train-sequences {its_subset} (0: all), not "
+                             f"{subset}: pass that, or give another run its own --state-dir and --out")
+        cfg = resumed
     layers = tuple(i + 1 for i in cfg.target_layer_ids)
     data = TokenData(Path(args.data_dir), fw, layers, Path(args.feature_cache or cache_root() / "drafter-features"),
-                     top_k=args.top_k, max_train=getattr(args, "train_sequences", 0))
+                     top_k=args.top_k, max_train=subset)
     data.refresh()
     if not data.train_idx:
         raise SystemExit(f"no training sequences in {args.data_dir}: run the data stage first")
