@@ -1,9 +1,10 @@
-"""`bastion train-drafter`: resumable stages data -> train.
+"""`bastion train-drafter`: resumable stages data -> train, and export of the newest state.
 
     data/drafter/                       stage data: token shards + manifest, committed (training.datagen)
     data/drafter-train/                 stage train: compact resumable state + loss.jsonl + eval.jsonl,
                                         committed (training.train_loop)
     runs/drafter/train/                 stage train, local: ckpt.pt (exact resume point), best/
+    runs/drafter/latest/                stage export (--export-dir): the newest state as a drafter folder
     $BASTION_CACHE/drafter-features/    the target's features for the shards, computed on first use
 
 Each stage continues from what is on disk, so rerunning the same command resumes, on this
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-STAGES = ("data", "train")
+STAGES = ("data", "train", "export")
 
 
 def add_arguments(parser) -> None:
@@ -24,7 +25,8 @@ def add_arguments(parser) -> None:
     from training.shards import DEFAULT_DATA_DIR
 
     parser.add_argument("--out", default="runs/drafter", help="output folder (default runs/drafter)")
-    parser.add_argument("--stages", default="data,train", help="comma-separated subset of data,train")
+    parser.add_argument("--stages", default="data,train", help="comma-separated subset of data,train,export (export: write the newest "
+                             "training state as a drafter folder to --export-dir)")
     parser.add_argument("--threads", type=int, default=env_default("threads", "0"),
                         help="torch CPU threads (default $BASTION_THREADS or 0: every core; a training job "
                              "should have the machine to itself)")
@@ -75,6 +77,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out validation prompts per eval")
     parser.add_argument("--eval-tokens", type=int, default=64, help="new tokens per eval prompt")
     parser.add_argument("--ship", default="", help="also export every best-tau checkpoint to this folder")
+    parser.add_argument("--export-dir", default="",
+                        help="stage export: the drafter folder to write (default OUT/latest)")
     parser.add_argument("--init", default="", help="initialise from this exported drafter when no ckpt.pt exists")
 
 
@@ -156,5 +160,12 @@ def run(args) -> int:
         from engine.loader import load_target
 
         train_stage(args, out, log, target=load_target(None, train_dtype(args), auto_sizes=(1, 64)))
+    if "export" in stages:
+        from engine.loader import load_target
+        from training.train_loop import export_latest
+
+        dest = Path(args.export_dir or out / "latest")
+        state = export_latest(out, Path(args.state_dir), load_target(None, "float32").model, dest)
+        log.info("export: step %d (%.2f h trained) written to %s", state["step"], state["train_s"] / 3600, dest)
     log.info("done in %.0f s", time.time() - t0)
     return 0

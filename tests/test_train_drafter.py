@@ -314,6 +314,37 @@ def test_train_stage_resumes_from_its_checkpoint_and_from_the_committed_state(ta
         tl.config_from_args = orig
 
 
+def test_export_stage_writes_the_newest_state_as_a_loadable_drafter(target, tmp_path):
+    """`export_latest` picks the state a resume would (the committed one once ckpt.pt is gone) and
+    writes its weights, in bfloat16, as a folder `load_dflash` reads; no state at all is refused."""
+    from safetensors.torch import load_file
+
+    import training.train_loop as tl
+    from training.train_loop import export_latest
+
+    with pytest.raises(SystemExit, match="no training state"):
+        export_latest(tmp_path, tmp_path / "state", target.model, tmp_path / "latest")
+    _write_data(target, tmp_path / "data")
+    args = _stage_args(tmp_path, val_steps=0)
+    orig = tl.config_from_args
+    tl.config_from_args = lambda a, c: cfg_for(draft_vocab=a.draft_vocab, steps=a.steps, batch=a.batch,
+                                               blocks=a.blocks)
+    try:
+        train_stage(args, tmp_path, logging.getLogger("test"), target=target)
+    finally:
+        tl.config_from_args = orig
+    (tmp_path / "train" / "ckpt.pt").unlink()  # a new machine: only the committed state is left
+    state = export_latest(tmp_path, tmp_path / "state", target.model, tmp_path / "latest")
+    assert state["step"] == 3
+    saved = load_state(tmp_path / "state")["model"]
+    written = load_file(str(tmp_path / "latest" / "model.safetensors"))
+    assert set(written) == set(saved)
+    for k, v in saved.items():
+        want = v.long() if k == "d2t" else v.to(torch.bfloat16)
+        assert torch.equal(written[k], want), k
+    assert load_dflash(tmp_path / "latest", target.model).spec.block_size == 4
+
+
 def test_echo_repeats_only_batches_that_ran_the_target_and_resumes_mid_repeat(target, tmp_path):
     """--echo 2: each batch whose features were computed trains two steps (the sampler advances
     every other step), batches read from the cache train once, and a run stopped between the

@@ -542,6 +542,21 @@ def _resume_point(tdir: Path, state_dir: Path) -> dict | None:
     return local
 
 
+def export_latest(out: Path, state_dir: Path, target_model, path: Path) -> dict:
+    """Export the newest training state (out/train/ckpt.pt or the committed `state_dir`, as a
+    resume would pick) as a drafter folder at `path`; returns that state's counters.
+
+    The weights are written in bfloat16 like every shipped export (`export`). Raises
+    SystemExit when neither state exists.
+    """
+    ckpt = _resume_point(out / "train", state_dir)
+    if ckpt is None:
+        raise SystemExit(f"no training state in {out / 'train'} or {state_dir}: train first")
+    trainer, _ = build(target_model, TrainConfig.from_dict(ckpt["cfg"]), None, ckpt)
+    export(trainer, path)
+    return {k: v for k, v in ckpt["state"].items() if not isinstance(v, (torch.Tensor, dict, list))}
+
+
 def train_stage(args, out: Path, log, target=None) -> None:
     """Train until `args.steps` (the cosine horizon; may be raised on resume) or `args.minutes`.
 
