@@ -15,9 +15,10 @@ while True:
 " &
 busy=$!
 trap 'kill $busy 2>/dev/null' EXIT
+: > "$out.log"  # the benchmark appends, so the line written when the second process stops stays
 BASTION_CACHE=$(mktemp -d) $bastion bench --datasets mt-bench,humaneval,math --num-prompts "$np" \
   --max-new-tokens 128 --modes ar,chain,tree-4,tree-8,tree-16,tree-32,tree-64,tree-128,bastion \
-  --dtype "$dtype" --threads 2 --out "$out" --fresh --no-progress > "$out.log" 2>&1 &
+  --dtype "$dtype" --threads 2 --out "$out" --fresh --no-progress >> "$out.log" 2>&1 &
 bench=$!
 until grep -q "bastion bench:" "$out.log" 2>/dev/null || ! kill -0 $bench 2>/dev/null; do sleep 1; done
 kill $busy
