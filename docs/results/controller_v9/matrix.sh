@@ -1,6 +1,6 @@
 #!/bin/bash
-# Controller matrix on this machine with the final v4 drafter (+suffix): quiet and busy calibration, bfloat16 then float32.
-cd /work/main
+# Controller matrix (docs/controller.md, last section) with the final v4 drafter (+suffix): quiet and busy calibration, bfloat16 then float32.
+cd "$(dirname "$0")/../../.."
 M=ar,chain,tree-4,tree-8,tree-16,tree-32,tree-64,tree-128,bastion
 for dt in bfloat16 float32; do
   echo "== quiet $dt $(date +%T)"
@@ -9,4 +9,3 @@ for dt in bfloat16 float32; do
   echo "== busy $dt $(date +%T)"
   scripts/bench_busy_calibration.sh runs/s21/$dt-busy $dt 4
 done
-date +%T > runs/s21/finished
