@@ -121,7 +121,10 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_target(args.target, args.dtype, args.device)
-    drafter, drafter_desc = resolve_drafter(args.drafter, target, seed=args.seed)
+    drafter, drafter_desc = resolve_drafter(args.drafter, target, seed=args.seed, drafter_dtype=args.drafter_dtype)
+    dflash = getattr(drafter, "dflash", drafter)  # a hybrid's DFlash part
+    if getattr(dflash, "dtype", None) is not None and dflash.dtype != target.dtype:
+        drafter_desc += f" (drafter in {str(dflash.dtype).removeprefix('torch.')})"
     skipped_modes = {}
     if drafter is None:
         why = no_drafter_reason(args.drafter, target)

@@ -38,14 +38,15 @@ def default_drafter_for(target: Target) -> str | None:
     return None
 
 
-def load_drafter(spec: str | None, target: Target) -> Drafter | None:
+def load_drafter(spec: str | None, target: Target, drafter_dtype: str = "auto") -> Drafter | None:
     """Resolve a drafter spec for `target`.
 
     None / 'none' -> no drafter; 'suffix' -> the training-free suffix drafter;
     'dflash' -> the shipped DFlash drafter of the target; 'X+suffix' -> DFlash X merged
     with the suffix drafter; anything else -> a DFlash checkpoint folder or hub id.
+    drafter_dtype: the DFlash drafter's dtype (`drafter_torch_dtype`).
     Raises drafting.dflash.DrafterLoadError on a bad checkpoint, ConfigError when
-    'dflash' is asked for a target that has no shipped drafter.
+    'dflash' is asked for a target that has no shipped drafter or drafter_dtype is unknown.
     """
     if spec is None or spec == "none":
         return None
@@ -57,14 +58,28 @@ def load_drafter(spec: str | None, target: Target) -> Drafter | None:
         from drafting.hybrid import HybridDrafter
         from drafting.suffix import SuffixDrafter
 
-        return HybridDrafter(load_drafter(spec[: -len("+suffix")], target), SuffixDrafter())
+        return HybridDrafter(load_drafter(spec[: -len("+suffix")], target, drafter_dtype), SuffixDrafter())
     if spec == "dflash":
         if target.name != DEFAULT_TARGET or not (SHIPPED_DRAFTER / "config.json").is_file():
             raise ConfigError(f"no DFlash drafter is shipped for target '{target.name}'; pass a checkpoint path")
         spec = str(SHIPPED_DRAFTER)
-    from drafting.dflash import load_dflash
+    from drafting.dflash import choose_drafter_dtype, load_dflash
 
-    return load_dflash(spec, target.model)
+    if drafter_dtype not in DRAFTER_DTYPES:
+        raise ConfigError(f"unknown drafter dtype '{drafter_dtype}' (choose from {', '.join(DRAFTER_DTYPES)})")
+    fixed = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(drafter_dtype)
+    drafter = load_dflash(spec, target.model, dtype=fixed)
+    if drafter_dtype == "auto" and target.dtype == torch.float32 and drafter.device.type == "cpu":
+        # Without bfloat16 matrix units a 2-layer drafter can still run faster in bfloat16; the
+        # target's verification decides what is emitted, so only the speed is at stake.
+        dt, times = choose_drafter_dtype(drafter)
+        log.info("drafter dtype: %s (one pass: %s)", str(dt).removeprefix("torch."),
+                 ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
+    return drafter
+
+
+#: Values of --drafter-dtype: 'target' keeps the target's dtype, 'auto' measures (load_drafter).
+DRAFTER_DTYPES = ("auto", "target", "float32", "bfloat16")
 
 
 def build_engine(settings: EngineSettings, target: Target | None = None, max_batch: int = 1) -> Engine:
@@ -88,7 +103,7 @@ def build_engine(settings: EngineSettings, target: Target | None = None, max_bat
     # 'auto': sdpa on a CPU, else the fastest backend measured on the device.
     backend = select_backend(settings.attention, settings.device, config=target.config, dtype=target.dtype)
     drafter_spec = settings.drafter if settings.drafter is not None else default_drafter_for(target)
-    drafter = load_drafter(drafter_spec, target)
+    drafter = load_drafter(drafter_spec, target, settings.drafter_dtype)
     mode = settings.mode or ("bastion" if drafter is not None else "ar")
     if mode != "ar" and drafter is None:
         raise ConfigError(
@@ -178,12 +193,13 @@ def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSe
     )
 
 
-def resolve_drafter(spec: str | None, target: Target, seed: int = 0) -> tuple[Drafter | None, str]:
+def resolve_drafter(spec: str | None, target: Target, seed: int = 0,
+                    drafter_dtype: str = "auto") -> tuple[Drafter | None, str]:
     """A drafter spec as the benchmark takes it -> (drafter or None, a description for the report).
 
     spec: None -> the shipped drafter of the target if any (`default_drafter_for`); 'none' -> no
     drafter; 'random' -> a random 1-layer DFlash (a lower bound: it is almost never right);
-    anything else goes to `load_drafter`. Raises what load_drafter raises on a bad checkpoint.
+    anything else goes to `load_drafter` (with drafter_dtype). Raises what load_drafter raises.
     """
     if spec is None:
         spec = default_drafter_for(target)
@@ -196,7 +212,7 @@ def resolve_drafter(spec: str | None, target: Target, seed: int = 0) -> tuple[Dr
 
         return (random_dflash(target.model, seed=seed, num_layers=1, mask_token_id=0),
                 "random (1-layer random DFlash, lower bound)")
-    return load_drafter(spec, target), spec
+    return load_drafter(spec, target, drafter_dtype), spec
 
 
 def no_drafter_reason(spec: str | None, target: Target) -> str:

@@ -28,6 +28,8 @@ class EngineSettings:
     default target). mode: one of MODES (None: 'bastion' when a drafter exists, else 'ar').
     budget: tree size for mode 'tree'. dtype: 'auto' | 'float32' | 'bfloat16'. device: torch device.
     threads: torch CPU threads (0: torch default). attention: tree attention backend.
+    drafter_dtype: 'auto' | 'target' | 'float32' | 'bfloat16', the DFlash drafter's compute dtype
+    (auto: bfloat16 under a float32 target on a CPU when its pass is measured faster, else the target's).
     """
 
     target: str | None = None
@@ -38,6 +40,7 @@ class EngineSettings:
     device: str = "cpu"
     threads: int = 0
     attention: str = "auto"
+    drafter_dtype: str = "auto"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +63,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "sdpa", "flex", "flash_attn"],
                         help="tree attention backend (default: sdpa on CPU, else the fastest measured)")
     parser.add_argument("--threads", type=int, default=env("threads", "0"), help="torch CPU threads (0: default)")
+    parser.add_argument("--drafter-dtype", default=env("drafter-dtype", "auto"),
+                        choices=["auto", "target", "float32", "bfloat16"],
+                        help="DFlash drafter dtype (auto: bfloat16 under a float32 target on a CPU when its pass is "
+                             "measured faster; the output never depends on it, only the acceptance)")
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """EngineSettings from parsed `add_engine_arguments` flags."""
     return EngineSettings(target=args.target, drafter=args.drafter, mode=args.mode, budget=args.budget,
-                          dtype=args.dtype, device=args.device, threads=args.threads, attention=args.attention)
+                          dtype=args.dtype, device=args.device, threads=args.threads, attention=args.attention,
+                          drafter_dtype=args.drafter_dtype)

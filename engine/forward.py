@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import TreeAttention, causal_attention, tree_attention
+from engine.attention import (TreeAttention, causal_attention, causal_mask, choose_gqa_packing, packed_gqa_attention,
+                              tree_attention)
 from engine.kv_cache import KVPool
-from engine.linear import Linear, choose_packing
+from engine.linear import Linear, choose_packing, choose_row_padding
 
 
 @dataclass
@@ -67,12 +68,17 @@ class TargetForward:
     """A decoder-only target's forward over a KVPool (one per model: see `target_forward_for`).
 
     model: the loaded transformers model (its weights are read, never changed). packed:
-    prepack the linears (None: measure, see engine.linear.choose_packing). max_positions:
+    prepack the linears (None: measure, see engine.linear.choose_packing). row_padding:
+    {M: M'} few-row products run as M' zero-padded rows (None: measure on a CPU with packed
+    linears, see engine.linear.choose_row_padding; {}: never). gqa_packing: the query row
+    counts whose attention runs as engine.attention.packed_gqa_attention (None: measure, see
+    engine.attention.choose_gqa_packing; an empty set: never). max_positions:
     positions the rotary tables cover (default: the model's context length + TREE_HEADROOM).
     Raises ValueError for an architecture whose layers do not have the llama layout.
     """
 
-    def __init__(self, model, packed: bool | None = None, max_positions: int | None = None):
+    def __init__(self, model, packed: bool | None = None, max_positions: int | None = None,
+                 row_padding: dict[int, int] | None = None, gqa_packing: frozenset[int] | set[int] | None = None):
         cfg = model.config
         dec = model.get_decoder()
         self.config = cfg
@@ -115,6 +121,15 @@ class TargetForward:
         self.intermediate = self.layers[0].gate_up.out_features // 2
         self.norm = dec.norm.weight
         self.lm_head = Linear(model.get_output_embeddings().weight, None, packed=self.packed)
+        stack = [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)] + [self.lm_head]
+        if row_padding is None:
+            row_padding = choose_row_padding(stack) if self.packed else {}
+        self.row_padding = dict(row_padding)
+        for lin in stack:
+            lin.row_padding = self.row_padding
+        if gqa_packing is None:
+            gqa_packing = choose_gqa_packing(self.dtype, self.hq, self.hkv, self.head_dim, self.device)
+        self.gqa_packing = frozenset(gqa_packing)
         if max_positions is None:
             max_positions = int(getattr(cfg, "max_position_embeddings", 2048)) + TREE_HEADROOM
         self.max_positions = int(max_positions)
@@ -202,7 +217,13 @@ class TargetForward:
                     keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
                     values[:, s.start:].copy_(v[row:end].transpose(0, 1))
                 qs = q[row:end].transpose(0, 1)[None]
-                if s.tree is None:
+                if s.n in self.gqa_packing and (s.tree is None or backend == "sdpa"):
+                    if s.tree is not None:
+                        mask = s.tree.visible()
+                    else:
+                        mask = None if s.n == 1 else causal_mask(s.n, s.start + s.n, qs.device)
+                    o = packed_gqa_attention(qs, keys[None], values[None], self.scale, mask)
+                elif s.tree is None:
                     o = causal_attention(qs, keys[None], values[None], self.scale)
                 else:
                     o = tree_attention(backend, qs, keys[None], values[None], s.tree, self.scale)

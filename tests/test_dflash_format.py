@@ -132,3 +132,46 @@ def test_bad_paths(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(DrafterLoadError, match="not valid JSON"):
         load_dflash(tmp_path, tg.model)
+
+
+def test_bfloat16_drafter_under_a_float32_target(tiny_checkpoint):
+    tg, model, path = tiny_checkpoint
+    ref = load_dflash(path, tg.model)
+    d = load_dflash(path, tg.model, dtype=torch.bfloat16)
+    assert d.dtype == torch.bfloat16 and d._head_w.dtype == torch.bfloat16
+    assert tg.model.lm_head.weight.dtype == torch.float32  # the shared target weights stay as they are
+    feats = torch.randn(4, 64)  # float32 features from the target, cast by the drafter
+    outs = []
+    for drafter in (ref, d):
+        st = drafter.new_state()
+        drafter.extend(st, [1, 2, 3, 4], feats)
+        outs.append(drafter.propose(st, 5, 7))
+    assert outs[1].token_ids.shape == (7, 64)
+    # Same proposals up to bfloat16 rounding: the top token of each depth agrees where it is clear.
+    lp32 = outs[0].logprobs
+    clear = (lp32[:, 0] - lp32[:, 1]) > 0.2
+    assert torch.equal(outs[1].token_ids[clear, 0], outs[0].token_ids[clear, 0])
+
+
+def test_drafter_dtype_choice_converts_only_for_a_clear_gain(tiny_checkpoint, monkeypatch):
+    import drafting.dflash as dflash_mod
+
+    tg, model, path = tiny_checkpoint
+    for bf16_s, want in ((0.006, torch.bfloat16), (0.0095, torch.float32)):
+        d = load_dflash(path, tg.model)
+        before = {k: v.clone() for k, v in d.model.state_dict().items()}
+        monkeypatch.setattr(dflash_mod, "time_drafter_pass",
+                            lambda dr: 0.010 if dr.dtype == torch.float32 else bf16_s)
+        dt, times = dflash_mod.choose_drafter_dtype(d)
+        assert dt == want and d.dtype == want
+        assert times == {"float32": 0.010, "bfloat16": bf16_s}
+        if want == torch.float32:  # the trial ran on a copy: the loaded weights are untouched
+            assert all(torch.equal(d.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_drafter_pass_timer_runs_a_real_pass(tiny_checkpoint):
+    import drafting.dflash as dflash_mod
+
+    tg, _, path = tiny_checkpoint
+    d = load_dflash(path, tg.model)
+    assert 0 < dflash_mod.time_drafter_pass(d, context=5, rows=2, repeats=2) < 5.0

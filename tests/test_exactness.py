@@ -108,3 +108,19 @@ def test_bastion_mode_equals_ar(target_f32, random_drafter, references):
         assert r.token_ids == ref[:RANDOM_TOKENS]
         # A useless drafter: the gate turns drafting off after its probe steps.
         assert any(not s.drafted for s in r.steps)
+
+
+def test_shipped_drafter_in_bfloat16_under_a_float32_target_equals_ar(target_f32, references):
+    """The drafter's dtype changes its proposals, never the output: verification decides."""
+    from bastion.factory import load_drafter
+
+    drafter = load_drafter("dflash", target_f32, "bfloat16")
+    assert drafter.dtype == torch.bfloat16 and target_f32.dtype == torch.float32
+    eng = Engine(target_f32, drafter, make_controller("tree", 16))
+    accepted = []
+    for ids, ref in references[:6]:
+        r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert r.token_ids == ref
+        accepted += [s.accepted for s in r.steps]
+    # Still a working drafter: more than one token a step on average (about 2 in float32).
+    assert sum(accepted) / len(accepted) > 1.4
