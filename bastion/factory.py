@@ -20,6 +20,9 @@ from engine.engine import Engine, StepController, make_controller
 from engine.loader import DEFAULT_TARGET, Target, load_target
 
 log = logging.getLogger(__name__)
+#: Steps of the start-up run that gives the adaptive controller's gate its first averages
+#: (`prime_gate`): each arm (draft, cheap, plain) gets a third of them, in turn.
+PRIME_STEPS = 96
 
 #: The drafter shipped for the embedded default target (trained by `bastion train-drafter`).
 SHIPPED_DRAFTER = Path(__file__).resolve().parent.parent / "drafting" / "checkpoints" / "smollm2-dflash"
@@ -174,23 +177,83 @@ def calibration_timers(target: Target, drafter: Drafter | None, backend: str = "
 
 
 def build_budget_controller(target: Target, drafter: Drafter, settings: EngineSettings, progress: bool = True,
-                            backend: str = "sdpa", **kwargs):
+                            backend: str = "sdpa", prime_steps: int = PRIME_STEPS, **kwargs):
     """Calibrate (or load the cached calibration) and build the adaptive controller for `target`.
 
     The latency grid, single and batched, is timed through the engine's own verification path
     (tree mask, hidden-state outputs), so the fit describes what each step really runs. kwargs go to
     the BudgetController constructor; the online surrogate correction is on unless
     surrogate_correction=False is passed (it raised tokens/s on every dataset, docs/controller.md).
+    prime_steps: steps of the start-up run that gives the gate its first averages (`prime_gate`; 0: none).
     """
     kwargs.setdefault("surrogate_correction", True)
     from controller.budget import BudgetController
 
     measure, measure_batch = calibration_timers(target, drafter, backend)
-    return BudgetController.from_target(
+    controller = BudgetController.from_target(
         target.config, target.dtype, measure, measure_batch_fn=measure_batch,
         device=settings.device, model_name=target.name, attn_backend=backend,
         max_context=target.max_context, progress=progress, max_depth=drafter.max_depth, **kwargs,
     )
+    if prime_steps > 0:
+        prime_gate(Engine(target, drafter, controller, backend=backend), prime_steps)
+    return controller
+
+
+#: Prompts of the start-up run that gives the gate its first averages (`prime_gate`): chat,
+#: code and arithmetic, none from a benchmark set.
+PRIME_PROMPTS = (
+    "Describe how a bicycle's gears help a rider climb a hill.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
+)
+
+
+def prime_gate(engine: Engine, steps: int = PRIME_STEPS, prompts: tuple[str, ...] = PRIME_PROMPTS,
+               max_tokens: int = 64) -> dict:
+    """Give the adaptive controller's shared gate measured averages before the first request.
+
+    Without them, the first request's gate decided from its first one or two samples of each
+    arm: on the avx512_bf16 EPYC (float32) the first MT-Bench prompt committed 1.01-1.11 tokens
+    a step in every benchmark run while a fixed 4-node tree committed 1.44-1.48, because one or
+    two unlucky drafts (accepted lengths are geometric) put the draft arm under plain decoding
+    and it was sampled again only tens of steps later (docs/controller.md, "The cold start").
+    Here the engine decodes `prompts` (greedy, `max_tokens` each, EOS ignored) for `steps` steps,
+    the shared gate forced to draft, use the free proposal and decode plainly in turn, so every
+    arm's average starts from about steps / 3 measured samples at this machine's speed, and
+    the surrogate checks and size tables from real steps. The steps run with no request's own
+    gate (the shared gate decides and learns). Takes about `steps` decoding steps (3-5 s for
+    the embedded target on a 2-core CPU). Returns the gate's snapshot. Raises ValueError when
+    the engine's controller has no gate (not the adaptive one).
+    """
+    from engine.sampling import SamplingParams
+
+    gate = getattr(engine.controller, "gate", None)
+    if gate is None:
+        raise ValueError("prime_gate needs the adaptive controller (controller.budget.BudgetController)")
+    t0 = time.perf_counter()
+    done = 0
+    try:
+        while done < steps:
+            for text in prompts:
+                seq = engine.start(engine.chat_prompt_ids([{"role": "user", "content": text}]),
+                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                seq.control = None  # no request gate: the shared one decides and learns
+                try:
+                    while seq.finish_reason is None and done < steps:
+                        gate.force(gate.arms[done % len(gate.arms)])
+                        engine.step(seq)
+                        done += 1
+                finally:
+                    engine.release(seq)
+                if done >= steps:
+                    break
+    finally:
+        gate.force(None)
+    snap = gate.snapshot()
+    log.info("gate primed in %.1f s over %d steps: %s", time.perf_counter() - t0, done,
+             ", ".join(f"{a} {g:.2f}" for a, g in snap["gain"].items() if g is not None))
+    return snap
 
 
 def resolve_drafter(spec: str | None, target: Target, seed: int = 0,

@@ -85,6 +85,7 @@ class SpeculationGate:
         self.last_gain: dict[str, float | None] = {a: None for a in self.arms}
         self.t = 0
         self.switches_off = 0  # times the best arm changed away from "draft"
+        self.forced: str | None = None  # `force`: the arm every choice returns while set
 
     def best(self) -> str:
         """The arm with the highest average gain (untried arms do not count; ties go to plain, then draft)."""
@@ -94,7 +95,9 @@ class SpeculationGate:
         return max(known, key=lambda a: self.gain[a])
 
     def choice(self) -> str:
-        """The arm the next step should use. Pure: it changes only when `record` is called."""
+        """The arm the next step should use. Pure: it changes only when `record` or `force` is called."""
+        if self.forced is not None:
+            return self.forced
         for a in self.arms:
             if self.gain[a] is None:
                 return a
@@ -128,6 +131,14 @@ class SpeculationGate:
         # Plain decoding's gain is 1 by definition: nothing to be unsure of.
         confidence = 1.0 if arm == "plain" else min(1.0, self._n[arm] / CONFIDENT_SAMPLES)
         return int(max(min(period, MIN_PERIOD), period * confidence))
+
+    def force(self, arm: str | None) -> None:
+        """Make every choice `arm` until force(None) (a start-up run that samples each arm in
+        turn, bastion.factory.prime_gate); samples are recorded as usual.
+        Raises ValueError for an arm this gate does not have."""
+        if arm is not None and arm not in self.arms:
+            raise ValueError(f"unknown arm {arm!r}; this gate has {self.arms}")
+        self.forced = arm
 
     def should_draft(self) -> bool:
         """True when the next step should run the full drafter."""
