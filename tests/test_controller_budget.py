@@ -590,3 +590,21 @@ def test_a_sample_of_an_arm_runs_at_that_arms_best_measured_size():
     gate = ctl.solo_gate(state)
     assert gate.choice() == "draft" and ctl._probing(gate)
     assert ctl.policy_for_step(c, state).max_nodes == min(best, ctl.probe_nodes(costs))
+
+
+def test_prime_gate_samples_each_arm_in_turn_through_the_engine(target_f32, random_drafter):
+    from bastion.factory import prime_gate
+    from engine.engine import Engine
+    from engine.engine import make_controller as fixed_controller
+
+    ctl = make_controller()
+    eng = Engine(target_f32, random_drafter, ctl)
+    snap = prime_gate(eng, steps=12, prompts=("Name a color.",), max_tokens=8)
+    # 12 steps over 8-token requests, the arms in turn: 4 each, but a request's last token is
+    # one plain step whatever the arm (nothing left to draft), so drafting may lose one or two.
+    samples = snap["samples"]
+    assert sum(samples.values()) == 12 and samples["cheap"] == 4 and 2 <= samples["draft"] <= 4
+    assert ctl.gate.forced is None and snap["gain"]["draft"] is not None and snap["gain"]["cheap"] is not None
+    assert ctl.gate.gain["plain"] == 1.0
+    with pytest.raises(ValueError, match="adaptive controller"):
+        prime_gate(Engine(target_f32, random_drafter, fixed_controller("tree", 4)), steps=3)

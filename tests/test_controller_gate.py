@@ -192,3 +192,18 @@ def test_a_request_samples_an_inherited_losing_arm_early_and_takes_it_when_it_pa
     used = run(loses, {"draft": 0.8, "cheap": 1.4}, 60)
     assert used.count("draft") == 1 and used[MIN_PERIOD] == "draft"
     assert loses.period("draft") > 5 * MIN_PERIOD
+
+
+def test_force_makes_every_choice_until_released():
+    g = SpeculationGate()
+    g.record("draft", 2.0, 1.2)
+    g.record("cheap", 1.5, 1.0)
+    assert g.choice() == "draft"
+    g.force("plain")
+    assert g.choice() == "plain" and not g.should_draft()
+    g.record("plain")
+    assert g.choice() == "plain"
+    g.force(None)
+    assert g.choice() == "draft"
+    with pytest.raises(ValueError, match="unknown arm"):
+        SpeculationGate(arms=("draft", "plain")).force("cheap")
