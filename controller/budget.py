@@ -104,6 +104,12 @@ class BudgetController:
     judged by one gate per batch-size class (1, 2, 3-4, 5-8, ...: whether drafting pays
     depends on how loaded the forward is) and are recorded by `observe_batch`.
     plain_history: recent plain steps kept per batch size for the measured baseline.
+    size_caps: cap each tree at the size of best measured throughput (`sizes`,
+    controller/sizing.py). Off by default: once the few-row forwards were fixed
+    (docs/engine.md), the caps ratcheted the draft arm down to 3-4 nodes on the avx512_bf16 EPYC,
+    where fixed 8-node trees paid 1.6x on math. Sizes above a binding cap are seen only by probes
+    of the best arm, so a drafter sampled as a loser never showed what larger trees commit
+    (docs/controller.md, "Size caps off"). The tables are kept either way (`snapshot`).
     """
 
     def __init__(self, model: LatencyModel, settings: PolicySettings | None = None, *,
@@ -111,7 +117,8 @@ class BudgetController:
                  surrogate_correction: bool = False, max_depth: int = 15, t_draft_init: float = 0.0,
                  t_other_init: float = 0.0, refit_threshold: float = 0.15, refit_window: int = 64,
                  history: int = 512, gate: SpeculationGate | None = None, table_every: int = 16,
-                 heldout_mape: float | None = None, seq_overhead: float = 0.0, plain_history: int = 16):
+                 heldout_mape: float | None = None, seq_overhead: float = 0.0, plain_history: int = 16,
+                 size_caps: bool = False):
         self.settings = settings or default_settings("cpu")
         self.metrics = controller_metrics(registry)
         self.profiler = OnlineProfiler(model, calibration_points, history=history, window=refit_window,
@@ -139,6 +146,7 @@ class BudgetController:
         self.surrogate_cheap = SurrogateCalibrator(max_depth=max_depth, enabled=surrogate_correction)
         # Measured tokens per tree size, for the trees of full drafts and of free proposals apart.
         self.sizes = {"draft": RealisedSizes(), "cheap": RealisedSizes()}
+        self.size_caps = size_caps
         self._step_cap = self.settings.max_nodes  # the node cap the last single-sequence step was given
         self._free_cap = 0  # the node cap of the free proposal tried first (`free_first`)
         self._free_step = False  # this single-sequence step runs the free tree in the draft arm's place
@@ -234,10 +242,12 @@ class BudgetController:
         costs = self.verify_costs(context_len)
         if self._probing(gate):
             # A sample judges the arm where it runs best: at its measured best size once known.
-            best = self.sizes[choice].best(costs, draft_s + self.t_other, st.max_nodes)
+            best = self.sizes[choice].best(costs, draft_s + self.t_other, st.max_nodes) if self.size_caps else None
             max_nodes = self.probe_nodes(costs) if best is None else min(best, self.probe_nodes(costs))
-        else:
+        elif self.size_caps:
             max_nodes = self.sizes[choice].cap(costs, draft_s + self.t_other, st.max_nodes)
+        else:
+            max_nodes = st.max_nodes
         self._step_cap = max_nodes
         return AdaptivePolicy(costs, draft_s + self.t_other, min(st.min_nodes, max_nodes), max_nodes, st.bucket,
                               st.top_k)
@@ -255,7 +265,7 @@ class BudgetController:
             return None
         st = self.settings
         costs = self.verify_costs(context_len)
-        best = self.sizes["cheap"].best(costs, self.t_other, st.max_nodes)
+        best = self.sizes["cheap"].best(costs, self.t_other, st.max_nodes) if self.size_caps else None
         self._free_cap = cap = self.probe_nodes(costs) if best is None else best
         return AdaptivePolicy(costs, self.t_other, min(st.min_nodes, cap), cap, st.bucket, st.top_k)
 

@@ -253,8 +253,10 @@ def test_a_plain_choice_gets_a_one_node_policy_without_a_cost_table():
 
 def test_drafted_steps_are_capped_at_the_size_their_accepted_paths_say_pays():
     """observe walks the accepted path up the tree's parents; once sizes are measured, a step
-    of the gate's best arm is capped at the best measured size (controller/sizing.py)."""
-    ctl = make_controller()
+    of the gate's best arm is capped at the best measured size (controller/sizing.py) when the
+    caps are on; with them off (the default) the tables are kept and nothing is capped."""
+    off = make_controller()
+    ctl = make_controller(size_caps=True)
     state = ctl.sequence_state()
     gate = ctl.solo_gate(state)
     gate.record("draft", 3.0, 1.2)
@@ -273,6 +275,17 @@ def test_drafted_steps_are_capped_at_the_size_their_accepted_paths_say_pays():
     assert ctl.sizes["draft"].mean_tokens()[:4].tolist() == [2, 3, 3, 3]  # sizes 2, 3, 4, 6
     assert gate.choice() == gate.best() == "draft"
     assert ctl.policy_for_step(340, state).max_nodes == 3
+    off_state = off.sequence_state()
+    off_gate = off.solo_gate(off_state)
+    off_gate.record("draft", 3.0, 1.2)
+    off_gate.record("cheap", 0.5, 1.1)
+    for i in range(12):
+        stats = StepStats(tree_size=n, accepted=3, accepted_depth=2, context_len=300 + 3 * i, a_hat=5.0,
+                          drafted=True, draft_s=1e-3, verify_s=off.model.predict(n, 300), other_s=1e-4,
+                          accepted_node=2)
+        off.observe(stats, tree, off_state)
+    assert off.sizes["draft"].mean_tokens()[:4].tolist() == [2, 3, 3, 3]
+    assert off.policy_for_step(340, off_state).max_nodes == 256
 
 
 def test_running_estimates_and_policy_for_step():
@@ -578,8 +591,9 @@ def test_the_draft_arm_tries_the_free_tree_first_and_is_credited_with_it():
 
 def test_a_sample_of_an_arm_runs_at_that_arms_best_measured_size():
     """An exploration step of an arm whose trees' best size is measured is capped there (and at
-    probe_nodes): the gate then judges the arm where it runs best, not at a probe's size."""
-    ctl = make_controller()
+    probe_nodes) when the size caps are on: the gate then judges the arm where it runs best, not
+    at a probe's size."""
+    ctl = make_controller(size_caps=True)
     c = 300
     costs = ctl.verify_costs(c)
     for _ in range(12):  # every measured tree committed its first node and the bonus: 2 nodes suffice
