@@ -8,7 +8,7 @@ M=ar,chain,tree-4,tree-8,tree-16,tree-32,tree-64,tree-128,bastion
 for dt in float32 bfloat16; do
   echo "== quiet $dt $(date +%T)"
   BASTION_CACHE=$(mktemp -d) .venv/bin/bastion bench --datasets mt-bench,humaneval,math --num-prompts 4 \
-    --max-new-tokens 128 --modes $M --dtype $dt --threads 2 --out runs/s22/$dt-quiet --fresh --no-progress > runs/s22/$dt-quiet.log 2>&1
+    --max-new-tokens 128 --modes $M --dtype $dt --threads 2 --out runs/s22/$dt-quiet-v2 --fresh --no-progress > runs/s22/$dt-quiet-v2.log 2>&1
   echo "== busy $dt $(date +%T)"
   scripts/bench_busy_calibration.sh runs/s22/$dt-busy $dt 4
 done
