@@ -6,18 +6,19 @@ come through here.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from pathlib import Path
 
 import torch
 
-from bastion.settings import MODES, EngineSettings
+from bastion.settings import DRAFTER_DTYPES, MODES, EngineSettings
 from controller.ceilings import device_name
 from drafting.base import Drafter
 from engine.attention import select_backend
 from engine.engine import Engine, StepController, make_controller
-from engine.loader import DEFAULT_TARGET, Target, load_target
+from engine.loader import DEFAULT_TARGET, Target, load_target, parse_dtype
 
 log = logging.getLogger(__name__)
 #: Steps of the start-up run that gives the adaptive controller's gate its first averages
@@ -47,7 +48,8 @@ def load_drafter(spec: str | None, target: Target, drafter_dtype: str = "auto") 
     None / 'none' -> no drafter; 'suffix' -> the training-free suffix drafter;
     'dflash' -> the shipped DFlash drafter of the target; 'X+suffix' -> DFlash X merged
     with the suffix drafter; anything else -> a DFlash checkpoint folder or hub id.
-    drafter_dtype: the DFlash drafter's dtype (`drafter_torch_dtype`).
+    drafter_dtype: the DFlash drafter's dtype, one of DRAFTER_DTYPES ('auto': measured by
+    drafting.dflash.choose_drafter_dtype under a float32 target on a CPU, else the target's).
     Raises drafting.dflash.DrafterLoadError on a bad checkpoint, ConfigError when
     'dflash' is asked for a target that has no shipped drafter or drafter_dtype is unknown.
     """
@@ -70,7 +72,7 @@ def load_drafter(spec: str | None, target: Target, drafter_dtype: str = "auto") 
 
     if drafter_dtype not in DRAFTER_DTYPES:
         raise ConfigError(f"unknown drafter dtype '{drafter_dtype}' (choose from {', '.join(DRAFTER_DTYPES)})")
-    fixed = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(drafter_dtype)
+    fixed = None if drafter_dtype in ("auto", "target") else parse_dtype(drafter_dtype)
     drafter = load_dflash(spec, target.model, dtype=fixed)
     if drafter_dtype == "auto" and target.dtype == torch.float32 and drafter.device.type == "cpu":
         # Without bfloat16 matrix units a 2-layer drafter can still run faster in bfloat16; the
@@ -80,9 +82,6 @@ def load_drafter(spec: str | None, target: Target, drafter_dtype: str = "auto") 
                  ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
     return drafter
 
-
-#: Values of --drafter-dtype: 'target' keeps the target's dtype, 'auto' measures (load_drafter).
-DRAFTER_DTYPES = ("auto", "target", "float32", "bfloat16")
 
 
 def build_engine(settings: EngineSettings, target: Target | None = None, max_batch: int = 1) -> Engine:
@@ -233,21 +232,19 @@ def prime_gate(engine: Engine, steps: int = PRIME_STEPS, prompts: tuple[str, ...
         raise ValueError("prime_gate needs the adaptive controller (controller.budget.BudgetController)")
     t0 = time.perf_counter()
     done = 0
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    texts = itertools.cycle(prompts)
     try:
         while done < steps:
-            for text in prompts:
-                seq = engine.start(engine.chat_prompt_ids([{"role": "user", "content": text}]),
-                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-                seq.control = None  # no request gate: the shared one decides and learns
-                try:
-                    while seq.finish_reason is None and done < steps:
-                        gate.force(gate.arms[done % len(gate.arms)])
-                        engine.step(seq)
-                        done += 1
-                finally:
-                    engine.release(seq)
-                if done >= steps:
-                    break
+            seq = engine.start(engine.chat_prompt_ids([{"role": "user", "content": next(texts)}]), params)
+            seq.control = None  # no request gate: the shared one decides and learns
+            try:
+                while seq.finish_reason is None and done < steps:
+                    gate.force(gate.arms[done % len(gate.arms)])
+                    engine.step(seq)
+                    done += 1
+            finally:
+                engine.release(seq)
     finally:
         gate.force(None)
     snap = gate.snapshot()

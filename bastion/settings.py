@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 #: Decoding modes of the engine: the fixed ones (engine.engine.FIXED_MODES) plus the adaptive one.
 MODES = ("ar", "chain", "tree", "bastion")
+#: Values of --drafter-dtype: 'target' keeps the target's dtype, 'auto' measures (bastion.factory.load_drafter).
+DRAFTER_DTYPES = ("auto", "target", "float32", "bfloat16")
 
 
 def env_default(name: str, default: str | None) -> str | None:
@@ -64,7 +66,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tree attention backend (default: sdpa on CPU, else the fastest measured)")
     parser.add_argument("--threads", type=int, default=env("threads", "0"), help="torch CPU threads (0: default)")
     parser.add_argument("--drafter-dtype", default=env("drafter-dtype", "auto"),
-                        choices=["auto", "target", "float32", "bfloat16"],
+                        choices=DRAFTER_DTYPES,
                         help="DFlash drafter dtype (auto: bfloat16 under a float32 target on a CPU when its pass is "
                              "measured faster; the output never depends on it, only the acceptance)")
 

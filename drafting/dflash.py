@@ -591,21 +591,19 @@ def choose_drafter_dtype(drafter: DFlashDrafter, candidates: tuple[torch.dtype, 
     import copy
 
     current = drafter.dtype
-    times = {str(current).removeprefix("torch."): time_drafter_pass(drafter)}
-    best, best_t = current, times[str(current).removeprefix("torch.")]
+    best, best_t = current, time_drafter_pass(drafter)
+    times = {current: best_t}
     for dt in candidates:
         if dt == current:
             continue
         trial = DFlashDrafter(copy.deepcopy(drafter.model), drafter.embed, drafter.lm_head, top_k=drafter.top_k)
         trial.to_dtype(dt)
-        t = time_drafter_pass(trial)
-        times[str(dt).removeprefix("torch.")] = t
-        del trial
+        times[dt] = t = time_drafter_pass(trial)
         if t < margin * best_t:
             best, best_t = dt, t
     if best != current:
         drafter.to_dtype(best)
-    return best, times
+    return best, {str(dt).removeprefix("torch."): t for dt, t in times.items()}
 
 
 def save_dflash(model: DFlashModel, path: str | Path) -> None:
