@@ -39,10 +39,30 @@ alpha = 0.15 turns speculation down within six steps of a prompt where the draft
 1.4x on for about 90 % of steps in the simulated machine of tests/test_controller_robust.py
 (0.3 reacted in three steps but dropped that to about 77 %). The rule is
 described in docs/method.md (section 8) and measured in docs/controller.md ("Robust choices").
+Two averages per arm, and a margin for plain decoding (docs/method.md, section 8, "Near-ties"):
+accepted lengths are geometric, so most samples of a drafter worth 1.2x plain decoding fall below 1
+(one accepted token of 1.65 on average: gain 0.74) and a fast average dips under plain decoding
+often; while it is under, the arm is sampled only every period, so each dip lasted many steps. In a
+simulation of that machine (tests/test_controller_gate.py) a single average at alpha 0.15 kept a
+1.22x drafter at 0.89 of its throughput. The gate therefore decides on a slow average (weight
+`slow_alpha`) that jumps to the fast one (weight `alpha`) when the two part by more than
+`shift_sigmas` standard errors of the fast one (a prompt where the drafter stops paying), and it
+counts plain decoding as 1 - `plain_margin` when it compares: a speculative arm within the margin
+of plain decoding keeps running (its samples are what tells whether it pays; plain decoding's
+tell nothing). The margin bounds what that costs where drafting loses slightly; the simulation's
+worst case over gains 0.9-1.6 was 1.9 % (against 11 % before).
 """
 from __future__ import annotations
 
+import math
+
 ARMS = ("draft", "cheap", "plain")
+#: Weight of the newest gain in an arm's decision average (the slow one).
+SLOW_ALPHA = 0.06
+#: The decision average jumps to the fast one when they part by this many of the fast one's standard errors.
+SHIFT_SIGMAS = 2.5
+#: Plain decoding counts as 1 - PLAIN_MARGIN when arms are compared (the module docstring).
+PLAIN_MARGIN = 0.1
 #: The shortest wait between samples of an arm that is not the best (near-ties).
 MIN_PERIOD = 8
 #: The most the exploration period stretches for an arm whose steps are longer than the best's.
@@ -63,21 +83,35 @@ class SpeculationGate:
 
     arms: the choices allowed, a subset of ARMS ("draft": the full drafter; "cheap": only the
     drafter's free proposal, `Drafter.propose_cheap`; "plain": one token, gain 1 by definition).
-    alpha: weight of the newest gain in an arm's average. explore_every: the longest an arm
-    that is not the best waits for its next sample (shorter the closer it is to the best; see
+    alpha: weight of the newest gain in an arm's fast average. slow_alpha: the same for its
+    decision average (`gain`), which jumps to the fast one when they part by more than
+    shift_sigmas standard errors of the fast one. plain_margin: plain decoding counts as
+    1 - plain_margin when arms are compared (its `gain` stays 1). explore_every: the longest an
+    arm that is not the best waits for its next sample (shorter the closer it is to the best; see
     the module docstring). Arms never sampled come first (draft, then cheap).
-    Raises ValueError for an unknown arm, no arm, alpha outside (0, 1] or explore_every < 1.
+    Raises ValueError for an unknown arm, no arm, alpha or slow_alpha outside (0, 1],
+    shift_sigmas <= 0, plain_margin outside [0, 1) or explore_every < 1.
     """
 
-    def __init__(self, alpha: float = 0.15, explore_every: int = 64, arms: tuple[str, ...] = ARMS):
+    def __init__(self, alpha: float = 0.15, explore_every: int = 64, arms: tuple[str, ...] = ARMS,
+                 slow_alpha: float = SLOW_ALPHA, shift_sigmas: float = SHIFT_SIGMAS,
+                 plain_margin: float = PLAIN_MARGIN):
         if not arms or any(a not in ARMS for a in arms):
             raise ValueError(f"arms must be a non-empty subset of {ARMS}, got {arms!r}")
-        if not 0.0 < alpha <= 1.0 or explore_every < 1:
-            raise ValueError("alpha must be in (0, 1] and explore_every >= 1")
+        if not (0.0 < alpha <= 1.0 and 0.0 < slow_alpha <= 1.0) or explore_every < 1:
+            raise ValueError("alpha and slow_alpha must be in (0, 1] and explore_every >= 1")
+        if not shift_sigmas > 0 or not 0.0 <= plain_margin < 1.0:
+            raise ValueError("shift_sigmas must be > 0 and plain_margin in [0, 1)")
         self.arms = tuple(a for a in ARMS if a in arms)  # fixed order: untried arms are tried in it
         self.alpha = alpha
+        self.slow_alpha = slow_alpha
+        self.shift_sigmas = shift_sigmas
+        self.plain_margin = plain_margin
         self.explore_every = explore_every
         self.gain: dict[str, float | None] = {a: (1.0 if a == "plain" else None) for a in self.arms}
+        self.fast: dict[str, float | None] = {a: None for a in self.arms}  # fast average of gain
+        self.spread: dict[str, float] = {a: 0.0 for a in self.arms}  # exponential variance around `fast`
+        self.shifts = 0  # times a decision average jumped to its fast one
         self.length: dict[str, float | None] = {a: (1.0 if a == "plain" else None) for a in self.arms}
         self.samples = {a: 0 for a in self.arms}
         self._n = {a: 0 for a in self.arms}  # samples in the average, an inherited one included
@@ -87,12 +121,16 @@ class SpeculationGate:
         self.switches_off = 0  # times the best arm changed away from "draft"
         self.forced: str | None = None  # `force`: the arm every choice returns while set
 
+    def value(self, arm: str) -> float | None:
+        """What `arm` counts as when arms are compared: its decision average, 1 - plain_margin for plain."""
+        return 1.0 - self.plain_margin if arm == "plain" else self.gain[arm]
+
     def best(self) -> str:
-        """The arm with the highest average gain (untried arms do not count; ties go to plain, then draft)."""
+        """The arm of the highest `value` (untried arms do not count; ties go to plain, then draft)."""
         known = sorted((a for a in self.arms if self.gain[a] is not None), key=lambda a: a != "plain")
         if not known:
             return self.arms[0]
-        return max(known, key=lambda a: self.gain[a])
+        return max(known, key=self.value)
 
     def choice(self) -> str:
         """The arm the next step should use. Pure: it changes only when `record` or `force` is called."""
@@ -102,9 +140,10 @@ class SpeculationGate:
             if self.gain[a] is None:
                 return a
         best = self.best()
-        g_best = self.gain[best]
+        g_best = self.value(best)
         for a in self.arms:  # an arm whose last sample beat the best deserves another look now
-            if a != best and self.last_gain[a] is not None and self.last_gain[a] > g_best:
+            last = self.value(a) if a == "plain" else self.last_gain[a]
+            if a != best and self.last_gain[a] is not None and last > g_best:
                 return a
         stale = [a for a in self.arms if a != best and self.t - self.last[a] >= self.period(a)]
         if stale:
@@ -115,7 +154,7 @@ class SpeculationGate:
         """Steps `arm` may go unsampled while it is not the best: min(E r, max(MIN_PERIOD, 1 + 2 E r gap)),
         scaled by n / CONFIDENT_SAMPLES while the arm has n < CONFIDENT_SAMPLES samples (the module docstring)."""
         best = self.best()
-        g, g_best = self.gain[arm], self.gain[best]
+        g, g_best = self.value(arm), self.value(best)
         if g is None or g_best <= 0:
             return 1
         if arm != "plain" and self.samples[arm] == 0:
@@ -166,9 +205,25 @@ class SpeculationGate:
         if arm == "plain":
             gain = 1.0
         else:
-            old = self.gain[arm]
-            w = max(self.alpha if alpha is None else alpha, 1.0 / self._n[arm])
-            self.gain[arm] = gain if old is None else old + w * (gain - old)
+            fast, n = self.fast[arm], self._n[arm]
+            w = max(self.alpha if alpha is None else alpha, 1.0 / n)
+            w_slow = max(self.slow_alpha if alpha is None else min(alpha, self.slow_alpha), 1.0 / n)
+            if fast is None:
+                self.fast[arm] = self.gain[arm] = gain
+            else:
+                d = gain - fast
+                # the fast average's standard error from the noise seen before this sample (an exponential
+                # average of weight w over i.i.d. gains)
+                sd = math.sqrt(self.spread[arm] * w / (2.0 - w))
+                # the noise is learnt four times slower than the slow average, so a shift does not hide itself
+                w_noise = max(w_slow / 4, 1.0 / n)
+                self.spread[arm] = (1.0 - w_noise) * (self.spread[arm] + w_noise * d * d)
+                self.fast[arm] = fast = fast + w * (gain - fast)
+                slow = self.gain[arm] + w_slow * (gain - self.gain[arm])
+                if n > CONFIDENT_SAMPLES and abs(fast - slow) > self.shift_sigmas * sd:
+                    slow = fast  # the arm's gain moved (a new prompt, a busy machine): follow at once
+                    self.shifts += 1
+                self.gain[arm] = slow
             if length is not None:
                 old_len = self.length[arm]
                 self.length[arm] = length if old_len is None else old_len + w * (length - old_len)
@@ -191,6 +246,8 @@ class SpeculationGate:
         for a in self.arms:
             if a != "plain" and other.gain.get(a) is not None:
                 self.gain[a] = other.gain[a]
+                self.fast[a] = other.fast.get(a, other.gain[a])
+                self.spread[a] = other.spread.get(a, 0.0)
                 self.length[a] = other.length.get(a)
                 self.last_gain[a] = other.gain[a]
                 self._n[a] = INHERIT_SAMPLES
@@ -198,5 +255,5 @@ class SpeculationGate:
     def snapshot(self) -> dict:
         """JSON-ready: average gain and samples per arm, the current choice, switches away from drafting."""
         return {"gain": dict(self.gain), "length": dict(self.length), "samples": dict(self.samples),
-                "choice": self.choice(),
+                "choice": self.choice(), "fast": dict(self.fast), "shifts": self.shifts,
                 "switches_off": self.switches_off}

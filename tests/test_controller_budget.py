@@ -55,7 +55,8 @@ def test_gate_turns_off_for_useless_drafter_explores_at_its_floor_and_recovers()
     # one first sample, then one per explore_every steps (the free-proposal arm is explored the same way)
     every = ctl.gate.explore_every
     assert kinds[0] == "draft" and kinds.count("draft") <= 1 + 200 // every + 1
-    assert ctl.gate.best() == "plain"
+    # a plain step taken for a free proposal that found nothing counts as the cheap arm at gain 1
+    assert ctl.gate.best() in ("plain", "cheap")
     # the drafter got good: C(16)+draft ~ 1.3x a plain step, 6 tokens per step wins
     waited = 0
     while not ctl.should_draft():
@@ -517,7 +518,7 @@ def test_each_request_turns_drafting_down_on_its_own_and_the_next_starts_from_th
         expected += 1
         g += max(hard.solo.alpha, 1.0 / n) * (g_hard - g)
     assert first_plain == expected and 2 <= expected <= 8, (first_plain, g_prior, g_hard)
-    assert hard.solo.best() == "plain"
+    assert hard.solo.best() in ("plain", "cheap")  # cheap: plain steps whose free proposal found nothing
     assert kinds[first_plain:].count("draft") <= 8  # re-sampled now and then, never locked out
     assert ctl.gate.best() == "draft"  # the shared gate moved by SHARED_ALPHA per sample
     nxt = ctl.sequence_state()

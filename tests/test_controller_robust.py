@@ -168,7 +168,8 @@ def test_after_a_busy_calibration_a_drafter_that_does_not_pay_is_still_turned_of
     ctl = controller_for(contended, tmp_path)
     sizes = simulate(ctl, marg, 300, hit=0.15)
     assert sum(n == 1 for n in sizes[100:]) >= 0.85 * len(sizes[100:])
-    assert ctl.gate.best() == "plain" and ctl.gate.gain["draft"] < 1
+    # plain steps taken for a free proposal that found nothing count as the cheap arm at gain 1
+    assert ctl.gate.best() in ("plain", "cheap") and ctl.gate.gain["draft"] < 1
 
 
 def test_busy_calibration_is_noticed_by_its_spread_reported_and_not_cached(tmp_path, caplog):
