@@ -31,17 +31,15 @@ n / CONFIDENT_SAMPLES (never below MIN_PERIOD): one unlucky first sample (a cold
 first prompt) then costs a quarter of the full wait, not E r steps. Measured: a single first
 draft sample at gain 0.35 and length 2.8 kept the drafter off for 181 steps, longer than a
 whole benchmark cell at two clients (docs/results/concurrency_bench.md).
-An arm's average weighs its newest gain by max(alpha, 1 / n) over its n samples (a mean of the
-first few, then exponential). The averages are state of the machine and the drafter, so they
-carry from request to request;
-alpha = 0.15 turns speculation down within six steps of a prompt where the drafter stops paying
-(gain 1.5 -> 0.6) and, against the geometric noise of accepted lengths, keeps a drafter worth
-1.4x on for about 90 % of steps in the simulated machine of tests/test_controller_robust.py
-(0.3 reacted in three steps but dropped that to about 77 %). The rule is
+An arm's averages weigh its newest gain by max(alpha, 1 / n) (fast) and max(slow_alpha, 1 / n)
+(slow) over its n samples (a mean of the first few, then exponential). The averages are state
+of the machine and the drafter, so they carry from request to request; a prompt where the
+drafter stops paying (gain 1.5 -> 0.6, samples spread by 0.3) turns speculation down within
+eight steps (the slow average follows the fast one on the shift). The rule is
 described in docs/method.md (section 8) and measured in docs/controller.md ("Robust choices").
 Two averages per arm, and a margin for plain decoding (docs/method.md, section 8, "Near-ties"):
 accepted lengths are geometric, so most samples of a drafter worth 1.2x plain decoding fall below 1
-(one accepted token of 1.65 on average: gain 0.74) and a fast average dips under plain decoding
+(at 1.65 tokens a step, three samples in five commit one token: gain 0.74), and a fast average dips under plain decoding
 often; while it is under, the arm is sampled only every period, so each dip lasted many steps. In a
 simulation of that machine (tests/test_controller_gate.py) a single average at alpha 0.15 kept a
 1.22x drafter at 0.89 of its throughput. The gate therefore decides on a slow average (weight
@@ -50,7 +48,7 @@ simulation of that machine (tests/test_controller_gate.py) a single average at a
 counts plain decoding as 1 - `plain_margin` when it compares: a speculative arm within the margin
 of plain decoding keeps running (its samples are what tells whether it pays; plain decoding's
 tell nothing). The margin bounds what that costs where drafting loses slightly; the simulation's
-worst case over gains 0.9-1.6 was 1.9 % (against 11 % before).
+worst loss over gains 0.8-1.6 was 2 % (11 % before).
 """
 from __future__ import annotations
 
