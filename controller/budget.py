@@ -344,7 +344,10 @@ class BudgetController:
         gate = self._batch_gates.get(key)
         if gate is None:
             alpha, every, arms = self._gate_proto
-            gate = self._batch_gates[key] = SpeculationGate(alpha, every, arms)
+            # One average, no margin for plain decoding (the single-stream gate's near-tie rule): in
+            # batched steps drafting's gains sit near 1 for long stretches, and with the margin the
+            # gates kept drafting at 4 clients, 0.90 of batched AR (docs/results/concurrency_bench.md).
+            gate = self._batch_gates[key] = SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=0.0)
             smaller = [k for k in self._batch_gates if k < key]
             gate.inherit(self._batch_gates[max(smaller)] if smaller else self.gate)
         return gate
@@ -442,7 +445,8 @@ class BudgetController:
         marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
         from the shared gate (`solo_gate`)."""
         alpha, every, _ = self._gate_proto
-        return RequestGates(SpeculationGate(alpha, every, ("draft", "plain")))
+        # batched steps' gates decide on one average with no margin for plain decoding (`gate_for`)
+        return RequestGates(SpeculationGate(alpha, every, ("draft", "plain"), slow_alpha=alpha, plain_margin=0.0))
 
     def sequence_drafts(self, state: RequestGates | None) -> bool:
         """In a batched step whose class gate drafts: True when this request's own gate drafts
