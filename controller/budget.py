@@ -343,11 +343,7 @@ class BudgetController:
         key = 1 << (int(batch_size) - 1).bit_length()
         gate = self._batch_gates.get(key)
         if gate is None:
-            alpha, every, arms = self._gate_proto
-            # One average, no margin for plain decoding (the single-stream gate's near-tie rule): in
-            # batched steps drafting's gains sit near 1 for long stretches, and with the margin the
-            # gates kept drafting at 4 clients, 0.90 of batched AR (docs/results/concurrency_bench.md).
-            gate = self._batch_gates[key] = SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=0.0)
+            gate = self._batch_gates[key] = self._batch_gate(self._gate_proto[2])
             smaller = [k for k in self._batch_gates if k < key]
             gate.inherit(self._batch_gates[max(smaller)] if smaller else self.gate)
         return gate
@@ -444,9 +440,15 @@ class BudgetController:
         docs/method.md, section 9), whether drafting pays for this request, judged by its
         marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
         from the shared gate (`solo_gate`)."""
+        return RequestGates(self._batch_gate(("draft", "plain")))
+
+    def _batch_gate(self, arms: tuple[str, ...]) -> SpeculationGate:
+        """A gate of batched steps (a batch-size class's, a request's inside batches): one average,
+        no margin for plain decoding (the single-stream gate's near-tie rule). In batched steps
+        drafting's gains sit near 1 for long stretches, and with the margin these gates kept
+        drafting at 4 and 8 clients, at 0.88-0.90 of batched AR (docs/results/concurrency_bench.md)."""
         alpha, every, _ = self._gate_proto
-        # batched steps' gates decide on one average with no margin for plain decoding (`gate_for`)
-        return RequestGates(SpeculationGate(alpha, every, ("draft", "plain"), slow_alpha=alpha, plain_margin=0.0))
+        return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=0.0)
 
     def sequence_drafts(self, state: RequestGates | None) -> bool:
         """In a batched step whose class gate drafts: True when this request's own gate drafts

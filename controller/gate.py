@@ -203,31 +203,37 @@ class SpeculationGate:
         if arm == "plain":
             gain = 1.0
         else:
-            fast, n = self.fast[arm], self._n[arm]
+            n = self._n[arm]
             w = max(self.alpha if alpha is None else alpha, 1.0 / n)
             w_slow = max(self.slow_alpha if alpha is None else min(alpha, self.slow_alpha), 1.0 / n)
-            if fast is None:
-                self.fast[arm] = self.gain[arm] = gain
-            else:
-                d = gain - fast
-                # the fast average's standard error from the noise seen before this sample (an exponential
-                # average of weight w over i.i.d. gains)
-                sd = math.sqrt(self.spread[arm] * w / (2.0 - w))
-                # the noise is learnt four times slower than the slow average, so a shift does not hide itself
-                w_noise = max(w_slow / 4, 1.0 / n)
-                self.spread[arm] = (1.0 - w_noise) * (self.spread[arm] + w_noise * d * d)
-                self.fast[arm] = fast = fast + w * (gain - fast)
-                slow = self.gain[arm] + w_slow * (gain - self.gain[arm])
-                if n > CONFIDENT_SAMPLES and abs(fast - slow) > self.shift_sigmas * sd:
-                    slow = fast  # the arm's gain moved (a new prompt, a busy machine): follow at once
-                    self.shifts += 1
-                self.gain[arm] = slow
+            self._average(arm, gain, w, w_slow, n)
             if length is not None:
                 old_len = self.length[arm]
                 self.length[arm] = length if old_len is None else old_len + w * (length - old_len)
         self.last_gain[arm] = gain
         if was == "draft" and self.best() != "draft":
             self.switches_off += 1
+
+    def _average(self, arm: str, gain: float, w: float, w_slow: float, n: int) -> None:
+        """Fold one gain into `arm`'s fast average (weight w), its noise and its decision average
+        (weight w_slow), which jumps to the fast one on a shift (the module docstring)."""
+        fast = self.fast[arm]
+        if fast is None:
+            self.fast[arm] = self.gain[arm] = gain
+            return
+        d = gain - fast
+        # the fast average's standard error from the noise seen before this sample (an exponential
+        # average of weight w over i.i.d. gains)
+        sd = math.sqrt(self.spread[arm] * w / (2.0 - w))
+        # the noise is learnt four times slower than the slow average, so a shift does not hide itself
+        w_noise = max(w_slow / 4, 1.0 / n)
+        self.spread[arm] = (1.0 - w_noise) * (self.spread[arm] + w_noise * d * d)
+        self.fast[arm] = fast = fast + w * d
+        slow = self.gain[arm] + w_slow * (gain - self.gain[arm])
+        if n > CONFIDENT_SAMPLES and abs(fast - slow) > self.shift_sigmas * sd:
+            slow = fast  # the arm's gain moved (a new prompt, a busy machine): follow at once
+            self.shifts += 1
+        self.gain[arm] = slow
 
     def tick(self) -> None:
         """A step that used no arm of this gate (for example, nothing left to draft): time passes."""
