@@ -77,6 +77,14 @@ COST_CONTEXT_STEP = 16
 #: prompt moves it a third as fast as it moves the request's own gate (about 20 samples of memory).
 SHARED_ALPHA = 0.05
 
+#: In batched steps a speculative arm must beat plain decoding by this factor (`_batch_gate`): the
+#: step's clock misses what speculation costs a batch beyond its own steps. Requests that speculate
+#: finish at different steps, so their successors' prompts are prefilled one at a time inside decode
+#: steps and the last requests run in smaller batches. Measured at 8 clients (avx512_bf16 EPYC,
+#: float32): bastion's 8-sequence steps ran at 0.96-1.04 of batched AR's, its cells at 0.89-0.92
+#: (docs/results/concurrency_bench.md).
+BATCH_SPECULATION_BAR = 1.1
+
 #: An exploration step's tree costs at most this many one-token verifications (`probe_nodes`).
 PROBE_COST = 1.5
 #: ... and may always grow this many nodes.
@@ -444,11 +452,13 @@ class BudgetController:
 
     def _batch_gate(self, arms: tuple[str, ...]) -> SpeculationGate:
         """A gate of batched steps (a batch-size class's, a request's inside batches): one average,
-        no margin for plain decoding (the single-stream gate's near-tie rule). In batched steps
-        drafting's gains sit near 1 for long stretches, and with the margin these gates kept
-        drafting at 4 and 8 clients, at 0.88-0.90 of batched AR (docs/results/concurrency_bench.md)."""
+        and plain decoding counts as BATCH_SPECULATION_BAR, not below 1 as in the single-stream
+        gate's near-tie rule. In batched steps drafting's gains sit near 1 for long stretches; with
+        the single-stream margin these gates kept drafting at 4 and 8 clients, at 0.88-0.90 of
+        batched AR, and at a bar of 1 the free proposals ran at 0.89-0.92 of batched AR at 8
+        clients while their steps' gains read 1.00-1.29 (docs/results/concurrency_bench.md)."""
         alpha, every, _ = self._gate_proto
-        return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=0.0)
+        return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - BATCH_SPECULATION_BAR)
 
     def sequence_drafts(self, state: RequestGates | None) -> bool:
         """In a batched step whose class gate drafts: True when this request's own gate drafts

@@ -84,11 +84,13 @@ class SpeculationGate:
     alpha: weight of the newest gain in an arm's fast average. slow_alpha: the same for its
     decision average (`gain`), which jumps to the fast one when they part by more than
     shift_sigmas standard errors of the fast one. plain_margin: plain decoding counts as
-    1 - plain_margin when arms are compared (its `gain` stays 1). explore_every: the longest an
+    1 - plain_margin when arms are compared (its `gain` stays 1; a negative margin makes a
+    speculative arm beat plain decoding by that much, as in batched steps, controller/budget.py).
+    explore_every: the longest an
     arm that is not the best waits for its next sample (shorter the closer it is to the best; see
     the module docstring). Arms never sampled come first (draft, then cheap).
     Raises ValueError for an unknown arm, no arm, alpha or slow_alpha outside (0, 1],
-    shift_sigmas <= 0, plain_margin outside [0, 1) or explore_every < 1.
+    shift_sigmas <= 0, plain_margin outside (-1, 1) or explore_every < 1.
     """
 
     def __init__(self, alpha: float = 0.15, explore_every: int = 64, arms: tuple[str, ...] = ARMS,
@@ -98,8 +100,8 @@ class SpeculationGate:
             raise ValueError(f"arms must be a non-empty subset of {ARMS}, got {arms!r}")
         if not (0.0 < alpha <= 1.0 and 0.0 < slow_alpha <= 1.0) or explore_every < 1:
             raise ValueError("alpha and slow_alpha must be in (0, 1] and explore_every >= 1")
-        if not shift_sigmas > 0 or not 0.0 <= plain_margin < 1.0:
-            raise ValueError("shift_sigmas must be > 0 and plain_margin in [0, 1)")
+        if not shift_sigmas > 0 or not -1.0 < plain_margin < 1.0:
+            raise ValueError("shift_sigmas must be > 0 and plain_margin in (-1, 1)")
         self.arms = tuple(a for a in ARMS if a in arms)  # fixed order: untried arms are tried in it
         self.alpha = alpha
         self.slow_alpha = slow_alpha

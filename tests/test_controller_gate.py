@@ -31,7 +31,7 @@ def test_untried_arms_first_then_the_best_and_ties_go_to_plain():
     with pytest.raises(ValueError):
         g2.record("plain")
     for bad in ({"arms": ()}, {"arms": ("fast",)}, {"alpha": 0.0}, {"explore_every": 0}, {"slow_alpha": 1.5},
-                {"shift_sigmas": 0.0}, {"plain_margin": 1.0}, {"plain_margin": -0.1}):
+                {"shift_sigmas": 0.0}, {"plain_margin": 1.0}, {"plain_margin": -1.0}):
         with pytest.raises(ValueError):
             SpeculationGate(**bad)
     for bad in (-1.0, float("nan"), float("inf")):
