@@ -85,6 +85,18 @@ SHARED_ALPHA = 0.05
 #: (docs/results/concurrency_bench.md).
 BATCH_SPECULATION_BAR = 1.1
 
+#: The measured plain baseline (`plain_step_seconds`) is the median of the plain steps of the last
+#: PLAIN_MAX_AGE steps (single and batched counted together); when a batch size has had no plain
+#: step for PLAIN_REFRESH steps, its next step is plain (`refresh_plain`), so four or more are in
+#: the median. A refresh costs a speculative step's extra tokens once per PLAIN_REFRESH steps: under
+#: 1 % of the throughput where drafting runs 1.5x plain decoding (at 32 steps, a simulated 2x
+#: drafter lost a fifth of its drafted steps to refreshes and exploration together,
+#: tests/test_controller_robust.py). With plain steps timed during a busy start-up (bfloat16,
+#: avx512_bf16 EPYC), the baseline was back at the quiet machine's within 2-3 requests at 256 / 48,
+#: where without an age limit it stayed 1.6-2x high for 6 requests of 6.
+PLAIN_MAX_AGE = 192
+PLAIN_REFRESH = 48
+
 #: An exploration step's tree costs at most this many one-token verifications (`probe_nodes`).
 PROBE_COST = 1.5
 #: ... and may always grow this many nodes.
@@ -141,7 +153,8 @@ class BudgetController:
         self.seq_overhead.count = 1  # the calibrated value is the first sample: online ones refine it
         self._batch_draft: dict[int, RunningMean] = {}
         self._batch_other: dict[int, RunningMean] = {}
-        # Recent plain steps per batch size: (cached tokens in all, measured seconds of the step).
+        # Recent plain steps per batch size: (cached tokens in all, measured seconds of the step,
+        # the controller's step count then).
         self._plain: dict[int, collections.deque] = {}
         self._plain_history = plain_history
         self._plain_ratio: dict[int, tuple] = {}  # cached (model, seq_overhead, median ratio); dropped on a new plain step
@@ -243,6 +256,7 @@ class BudgetController:
         st = self.settings
         self._free_step = False
         gate = self.solo_gate(state)
+        self.refresh_plain(gate, 1)
         choice = gate.choice()
         if choice == "plain":
             return _PLAIN_POLICY
@@ -388,20 +402,53 @@ class BudgetController:
         """Seconds of a plain step of batch_size sequences caching context_len tokens in all:
         the model's forward at this context times the median ratio of recent measured plain
         steps (verify and other time) to the model's forward at theirs; without any at this
-        batch size, the single-sequence ratio; without any at all, the model alone."""
+        batch size, the single-sequence ratio; without any at all, the model alone.
+
+        Recent: of the last PLAIN_MAX_AGE steps (single and batched counted together). Older
+        plain steps tell what the machine was doing then, and while drafting looks best few
+        new ones replace them: plain steps timed during a busy start-up kept the baseline at
+        about twice the quiet machine's for whole requests, every speculative step looked
+        1.6-1.9 times better than plain decoding, and bastion ran at 0.82x AR (docs/controller.md,
+        "A stale plain baseline"). Fresh ones come at least every PLAIN_REFRESH steps
+        (`refresh_plain`)."""
         model = self.profiler.model  # once: a background refit may swap it meanwhile
-        b = batch_size if batch_size in self._plain else 1
+        b = batch_size if self._fresh_plain(batch_size) else 1
         return self.predicted_plain_seconds(context_len, batch_size, model) * self._measured_ratio(b, model)
 
-    def _measured_ratio(self, b: int, model: LatencyModel) -> float:
+    def refresh_plain(self, gate: SpeculationGate, b: int) -> None:
+        """Before a step of b sequences decided by `gate`: when b's newest measured plain step is
+        PLAIN_REFRESH steps old or more (or there is none after PLAIN_REFRESH steps), make this
+        step plain (`SpeculationGate.sample`), so the baseline drafting is judged against stays
+        measured (`plain_step_seconds`)."""
+        if gate.forced is not None or "plain" not in gate.arms:
+            return
+        now = self.steps + self.batch_steps
+        hist = self._plain.get(b)
+        newest = hist[-1][2] if hist else 0
+        if now - newest >= PLAIN_REFRESH:
+            gate.sample("plain")
+
+    def _fresh_plain(self, b: int) -> bool:
+        """Drop plain steps older than PLAIN_MAX_AGE from b's history; True when any remain."""
         hist = self._plain.get(b)
         if not hist:
+            return False
+        oldest = self.steps + self.batch_steps - PLAIN_MAX_AGE
+        if hist[0][2] < oldest:
+            while hist and hist[0][2] < oldest:
+                hist.popleft()
+            self._plain_ratio.pop(b, None)
+        return bool(hist)
+
+    def _measured_ratio(self, b: int, model: LatencyModel) -> float:
+        if not self._fresh_plain(b):
             return 1.0
+        hist = self._plain[b]
         overhead = self.seq_overhead.value if b > 1 else 0.0
         cached = self._plain_ratio.get(b)
         if cached is None or cached[0] is not model or cached[1] != overhead:
-            cs = np.array([c for c, _ in hist])
-            ts = np.array([t for _, t in hist])
+            cs = np.array([c for c, _, _ in hist])
+            ts = np.array([t for _, t, _ in hist])
             if b == 1:
                 pred = model.predict(np.ones(len(cs)), cs)
             else:
@@ -411,7 +458,7 @@ class BudgetController:
 
     def _add_plain(self, b: int, context_total: int, seconds: float) -> None:
         self._plain.setdefault(b, collections.deque(maxlen=self._plain_history)).append(
-            (int(context_total), float(seconds)))
+            (int(context_total), float(seconds), self.steps + self.batch_steps))
         self._plain_ratio.pop(b, None)
 
     # ---- batched steps ----------------------------------------------------------------
@@ -438,6 +485,7 @@ class BudgetController:
         st = self.settings
         if b > st.max_nodes:
             raise ValueError(f"a batch of {b} sequences exceeds the node cap of {st.max_nodes}")
+        self.refresh_plain(self.gate_for(b), b)
         costs = self.batch_costs(b, int(sum(contexts)))
         # A sample of an arm that is not the class's best verifies a small batch (`probe_nodes`).
         max_nodes = self.probe_nodes(costs, roots=b) if self._probing(self.gate_for(b)) else st.max_nodes

@@ -120,6 +120,7 @@ class SpeculationGate:
         self.t = 0
         self.switches_off = 0  # times the best arm changed away from "draft"
         self.forced: str | None = None  # `force`: the arm every choice returns while set
+        self.once: str | None = None  # `sample`: the arm the next choice returns
 
     def value(self, arm: str) -> float | None:
         """What `arm` counts as when arms are compared: its decision average, 1 - plain_margin for plain."""
@@ -136,6 +137,8 @@ class SpeculationGate:
         """The arm the next step should use. Pure: it changes only when `record` or `force` is called."""
         if self.forced is not None:
             return self.forced
+        if self.once is not None:
+            return self.once
         for a in self.arms:
             if self.gain[a] is None:
                 return a
@@ -179,6 +182,14 @@ class SpeculationGate:
             raise ValueError(f"unknown arm {arm!r}; this gate has {self.arms}")
         self.forced = arm
 
+    def sample(self, arm: str) -> None:
+        """Make the next choice `arm`, once: cleared by the next `record` or `tick` (a plain step
+        that refreshes the measured baseline, controller/budget.py). Raises ValueError for an
+        arm this gate does not have."""
+        if arm not in self.arms:
+            raise ValueError(f"unknown arm {arm!r}; this gate has {self.arms}")
+        self.once = arm
+
     def should_draft(self) -> bool:
         """True when the next step should run the full drafter."""
         return self.choice() == "draft"
@@ -198,6 +209,7 @@ class SpeculationGate:
         if length is not None and not 0 < length < float("inf"):
             raise ValueError(f"length must be a finite positive number, got {length}")
         was = self.best()
+        self.once = None
         self.t += 1
         self.samples[arm] += 1
         self._n[arm] += 1
@@ -239,6 +251,7 @@ class SpeculationGate:
 
     def tick(self) -> None:
         """A step that used no arm of this gate (for example, nothing left to draft): time passes."""
+        self.once = None
         self.t += 1
 
     def inherit(self, other: "SpeculationGate") -> None:

@@ -3,7 +3,7 @@
 C(s, c) = max(alpha_c * FLOPs(s, c) / P + beta_c, alpha_m * Bytes(s, c) / BW + beta_m)
 
 FLOPs and Bytes come from `ModelShape`; P and BW from `Ceilings`; the four alpha/beta are
-fitted to measured target forwards with scipy.optimize.curve_fit.
+fitted to measured target forwards with scipy.optimize.least_squares.
 
 Optional per-s residual (our extension, not in the paper): C'(s, c) = C(s, c) * r(s), with
 log r interpolated linearly in log2 s between knots (the calibration grid's s values) and
@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import curve_fit
+from scipy.optimize import least_squares
 
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
@@ -180,7 +180,8 @@ def _line_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float
 
 
 def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
-               sigma_scale=None, robust: bool = True, start: LatencyParams | None = None) -> LatencyParams:
+               sigma_scale=None, robust: bool = True, start: LatencyParams | None = None,
+               max_nfev: int = 2000) -> LatencyParams:
     """Fit (alpha_c, beta_c, alpha_m, beta_m) to measured forwards by non-linear least squares.
 
     s, c: [N] new and cached tokens; seconds: [N] measured latencies (seconds, > 0).
@@ -193,7 +194,9 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
     process on a shared machine do not drag the fit; False gives plain least squares.
     start: fit from these parameters and the joint line fit only, instead of the five starts
     (an online refit from the current model: about a third of the time).
-    Raises ValueError with fewer than 4 points or non-positive timings.
+    max_nfev: model evaluations per start; a start that has not converged by then gives its best
+    point so far, judged against the others like any.
+    Raises ValueError with fewer than 4 points or non-positive timings, or when no start gave a fit.
     """
     s = np.asarray(s, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
@@ -229,8 +232,12 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
     bounds = ([0.0, 0.0, 0.0, 0.0], [np.inf] * 4)
     for p0 in starts:
         try:
-            popt, _ = curve_fit(_roofline, x, y, p0=p0, sigma=sigma, bounds=bounds, max_nfev=2000, **loss)
-        except (RuntimeError, ValueError):
+            fit = least_squares(lambda p: (_roofline(x, *p) - y) / sigma, p0, bounds=bounds, max_nfev=max_nfev,
+                                **loss)
+        except ValueError:  # a start outside the bounds
+            continue
+        popt = fit.x  # the best point so far when the evaluations ran out (status 0)
+        if fit.status < 0 or not np.all(np.isfinite(popt)):
             continue
         z = ((_roofline(x, *popt) - y) / sigma) ** 2
         cost = float(np.sum(2 * 0.05**2 * (np.sqrt(1 + z / 0.05**2) - 1)) if robust else np.sum(z))
@@ -276,16 +283,16 @@ def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float
 
 
 def fit_model(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds, sigma_scale=None,
-              knots=None, rounds: int = 3, start: LatencyParams | None = None) -> LatencyModel:
+              knots=None, rounds: int = 3, start: LatencyParams | None = None, max_nfev: int = 2000) -> LatencyModel:
     """`fit_params`, then the per-s residual at `knots` (None: the distinct s of the points;
     empty: none, the plain roofline). With a residual, the two are fitted alternately
     (`rounds` times): the four parameters to the timings divided by r(s), then r(s) to what
     the roofline leaves, so a per-s quirk does not bend the lines. start: see `fit_params`
-    (the first round only). Raises ValueError like `fit_params`.
+    (the first round only); max_nfev: per start, see `fit_params`. Raises ValueError like `fit_params`.
     """
     y = np.asarray(seconds, dtype=np.float64)
     s = np.asarray(s, dtype=np.float64)
-    params = fit_params(model_shape, ceilings, s, c, y, sigma_scale=sigma_scale, start=start)
+    params = fit_params(model_shape, ceilings, s, c, y, sigma_scale=sigma_scale, start=start, max_nfev=max_nfev)
     model = LatencyModel(model_shape, ceilings, params)
     if knots is None:
         knots = sorted(set(s.tolist()))
@@ -295,6 +302,6 @@ def fit_model(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds, sigma_
         model = LatencyModel(model_shape, ceilings, params, fit_residual(model, s, c, y, knots))
         if i + 1 < rounds:
             params = fit_params(model_shape, ceilings, s, c, y / model.residual_factor(s), sigma_scale=sigma_scale,
-                                start=params if start is not None else None)
+                                start=params if start is not None else None, max_nfev=max_nfev)
             model = LatencyModel(model_shape, ceilings, params, model.residual)
     return model

@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 #: against ~70 ms for the calibration's 3 rounds from 4 starts (2-core EPYC).
 REFIT_ROUNDS = 2
 
+#: Model evaluations per start of an online refit's fit (controller.latency_model.fit_params): the
+#: start is the current model, so a fit that needs more meets data it cannot fit (a busy
+#: calibration's points against quiet steps). Uncapped (2000), such refits took up to 300 ms
+#: inline, between two steps of 25 ms (bfloat16, avx512_bf16 EPYC); capped at 200, one took 94 ms.
+REFIT_MAX_NFEV = 300
+
 #: After refits that did not cut the error (noise, not drift), drift checks wait up to this
 #: many windows.
 MAX_WAIT = 8
@@ -229,7 +235,7 @@ class OnlineProfiler:
         arr = np.asarray(pts, dtype=np.float64)
         try:
             new = fit_model(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3],
-                            knots=old.knots, rounds=REFIT_ROUNDS, start=old.params)
+                            knots=old.knots, rounds=REFIT_ROUNDS, start=old.params, max_nfev=REFIT_MAX_NFEV)
         except ValueError as e:
             self.refit_failures += 1
             log.warning("online refit failed: %s", e)

@@ -47,6 +47,21 @@ def test_fit_recovers_known_parameters_from_noisy_timings():
     assert mape(truth.predict(s, c), LatencyModel(SHAPE, CEIL, p).predict(s, c)) < 0.02
 
 
+def test_a_fit_out_of_evaluations_keeps_its_best_point():
+    """An online refit caps the model evaluations (profiler.REFIT_MAX_NFEV): a start that runs
+    out of them gives its best point so far, no worse than where it started, not an error."""
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    pts = np.array(GRID.points())
+    s, c = pts[:, 0], pts[:, 1]
+    y = truth.predict(s, c)
+    far = LatencyParams(TRUE.alpha_c * 3, TRUE.beta_c * 3, TRUE.alpha_m * 3, TRUE.beta_m * 3)
+    p = fit_params(SHAPE, CEIL, s, c, y, start=far, max_nfev=3)
+    err_start = mape(y, LatencyModel(SHAPE, CEIL, far).predict(s, c))
+    assert mape(y, LatencyModel(SHAPE, CEIL, p).predict(s, c)) < err_start
+    full = fit_params(SHAPE, CEIL, s, c, y, start=far)
+    assert mape(y, LatencyModel(SHAPE, CEIL, full).predict(s, c)) < 0.01
+
+
 def test_fit_rejects_too_few_or_bad_points():
     with pytest.raises(ValueError, match="at least 4"):
         fit_params(SHAPE, CEIL, [1, 2], [0, 0], [0.1, 0.2])

@@ -252,3 +252,21 @@ def test_force_makes_every_choice_until_released():
     assert g.choice() == "draft"
     with pytest.raises(ValueError, match="unknown arm"):
         SpeculationGate(arms=("draft", "plain")).force("cheap")
+
+
+def test_sample_makes_the_next_choice_once():
+    g = SpeculationGate(arms=("draft", "plain"))
+    g.record("draft", 2.0, 1.2)
+    assert g.choice() == "draft"
+    g.sample("plain")
+    assert g.choice() == "plain" and not g.should_draft()
+    g.record("plain")
+    assert g.choice() == "draft"
+    g.sample("plain")
+    g.tick()
+    assert g.choice() == "draft"
+    with pytest.raises(ValueError):
+        g.sample("cheap")
+    g.force("draft")
+    g.sample("plain")
+    assert g.choice() == "draft"  # a forced arm comes first

@@ -280,3 +280,64 @@ def test_batched_gates_need_drafting_to_beat_plain_decoding_by_the_bar():
         for _ in range(6):
             ctl.gate.record("draft", 1.05, 1.1)
         assert ctl.gate.best() == "draft"
+
+
+def test_plain_steps_of_a_busy_start_stop_setting_the_baseline():
+    """Plain steps timed at twice the model's prediction (a second process ran), then the
+    machine goes quiet and only drafted steps run: within PLAIN_MAX_AGE steps the busy plain
+    steps no longer set the baseline, and the model's level, which the drafted steps brought
+    back down, stands in for them. Drafted steps are then judged against the quiet baseline."""
+    from controller.budget import PLAIN_MAX_AGE
+
+    ctl = _controller()
+    quiet = ctl.model.predict(1, 500)
+    for _ in range(8):
+        ctl.record_step(1, 500, 2 * quiet - 1e-3, 0.0, 1e-3, 1.0, 1, drafted=False)
+    assert ctl.plain_step_seconds(500) == pytest.approx(2 * quiet, rel=0.02)
+    busy_model = ctl.model
+    step = float(busy_model.predict(8, 500)) / busy_model.predict(1, 500) * quiet  # an 8-node tree, quiet
+    for i in range(PLAIN_MAX_AGE):
+        ctl.record_step(8, 500, step, 1e-4, 1e-4, 2.0, 2, drafted=True)
+        if i == 40:  # the level is quiet again, but the busy plain steps still count
+            assert ctl.model.predict(1, 500) < 0.6 * busy_model.predict(1, 500)
+            assert ctl.plain_step_seconds(500) > 1.6 * quiet
+    assert ctl.plain_step_seconds(500) == pytest.approx(quiet, rel=0.1)
+    ctl.record_step(8, 500, step, 1e-4, 1e-4, 2.0, 2, drafted=True)
+    assert ctl.gate.last_gain["draft"] == pytest.approx(2 * quiet / (step + 2e-4), rel=0.1)
+    # A new plain step sets the baseline again (at the quiet machine's speed).
+    ctl.record_step(1, 500, 1.05 * quiet - 1e-3, 0.0, 1e-3, 1.0, 1, drafted=False)
+    assert ctl.plain_step_seconds(500) == pytest.approx(1.05 * quiet)
+
+
+def test_a_plain_step_refreshes_the_baseline_every_plain_refresh_steps():
+    """Drafting pays 2x and the gate keeps drafting: still, once no plain step has run for
+    PLAIN_REFRESH steps, the next step is plain, so the baseline stays measured; batched steps
+    of each batch size likewise. The refresh is one step, then drafting resumes."""
+    from controller.budget import PLAIN_REFRESH
+
+    ctl = _controller()
+    t1 = ctl.model.predict(1, 500)
+    kinds = []
+    for _ in range(4 * PLAIN_REFRESH):
+        pol = ctl.policy_for_step(500)
+        if pol.max_nodes == 1:
+            kinds.append("plain")
+            ctl.record_step(1, 500, t1 - 1e-3, 0.0, 1e-3, 1.0, 1, drafted=False)
+        else:
+            assert ctl.should_draft(1) or ctl.allow_cheap(1)
+            kinds.append("spec")
+            ctl.record_step(4, 500, 1.2 * t1, 1e-4, 1e-4, 2.4, 3, drafted=ctl.should_draft(1), cheap=ctl.allow_cheap(1))
+    plain_at = [i for i, k in enumerate(kinds) if k == "plain"]
+    assert 3 <= len(plain_at) <= 8, plain_at
+    assert all(b - a <= PLAIN_REFRESH + 1 for a, b in zip(plain_at, plain_at[1:])) and plain_at[-1] >= 3 * PLAIN_REFRESH - 1
+    assert all(kinds[i + 1] == "spec" for i in plain_at[1:] if i + 1 < len(kinds))
+    # A batch of 4: its class's gate gets a plain step once the size has none for PLAIN_REFRESH steps.
+    gate = ctl.gate_for(4)
+    for _ in range(5):
+        gate.record("draft", 2.0, 1.2)
+        gate.record("cheap", 1.0, 1.1)
+    assert gate.choice() == "draft"
+    ctl.batch_policy([500] * 4)
+    assert gate.choice() == "plain" and not ctl.should_draft(4)
+    gate.tick()
+    assert gate.choice() == "draft"
