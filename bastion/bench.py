@@ -76,8 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests-per-client", type=int, default=2,
                    help="requests each client sends per --concurrency cell (default 2)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="--concurrency: run every cell this many times, mode order rotated per pass; tables "
-                        "report medians (default 1)")
+                   help="run every prompt (or --concurrency cell) this many times, mode order rotated per pass; "
+                        "times and speedups are medians over passes (default 1)")
 
 
 def run(args) -> int:
@@ -97,6 +97,8 @@ def run(args) -> int:
     out = args.out or Path("runs/bench-quick" if args.quick else "runs/bench")
     if max_new < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.concurrency is not None:
         if not args.concurrency or min(args.concurrency) < 1 or args.requests_per_client < 1 or args.repeats < 1:
             raise ValueError("--concurrency needs levels >= 1, --requests-per-client >= 1 and --repeats >= 1")
@@ -155,12 +157,12 @@ def run(args) -> int:
         target=target.name, drafter=drafter_desc, dtype=str(target.dtype).removeprefix("torch."), device=args.device,
         modes=modes,
         max_new_tokens=max_new, temperature=args.temperature, seed=args.seed, multi_turn=args.multi_turn,
-        ignore_eos=args.ignore_eos, num_prompts=num_prompts, budgets=budgets,
+        ignore_eos=args.ignore_eos, num_prompts=num_prompts, budgets=budgets, repeats=args.repeats,
     )
     env = environment(target, drafter_desc, args.device, calibration or None)
     n = sum(len(v) for v in prompt_sets.values())
     print(f"bastion bench: {n} prompts x {len(modes)} modes ({', '.join(modes)}), max {max_new} new tokens, "
-          f"out {out}", file=sys.stderr)
+          f"{args.repeats} pass{'es' if args.repeats > 1 else ''}, out {out}", file=sys.stderr)
     res = run_bench(settings, target, mode_objs, prompt_sets, out, env=env,
                     skipped={"modes": skipped_modes, "datasets": skipped_ds}, fresh=args.fresh,
                     warmup=not args.no_warmup, progress=not args.no_progress)

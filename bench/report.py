@@ -7,16 +7,21 @@ Definitions (docs/method.md, section 1):
     tau       committed tokens per verification step (bonus included) over the dataset
     mismatches  at temperature 0, prompts whose output differs from the reference mode
               (ar; ar-hf when ar was not run); None when sampling or no reference ran
+With several passes over the prompts (records' `repeat`), TPOT, tokens/s and the speedup are
+medians over passes of each pass's figure (the speedup paired per pass: the baseline's TPOT in
+that pass over the mode's), so a slow phase of the machine in one pass moves them less; tau,
+tree sizes, TTFT and mismatches pool every pass.
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from bench.modes import BASELINES
 
 #: Keys of every summary entry (scripts depend on the first eight).
 SUMMARY_KEYS = ("dataset", "mode", "speedup", "tau", "tokens_per_s", "tpot_s", "mean_tree_size", "mismatches",
-                "prompts", "decode_tokens", "ttft_s", "e2e_s", "baseline", "reference")
+                "prompts", "decode_tokens", "ttft_s", "e2e_s", "baseline", "reference", "repeats", "speedups")
 
 
 def reference_mode(modes: list[str]) -> str | None:
@@ -48,32 +53,51 @@ def _agg(recs: list[dict]) -> dict:
 def mark_exactness(records: list[dict], modes: list[str], greedy: bool) -> None:
     """Set each record's `matches_reference` (True/False, None when not comparable), in place."""
     ref = reference_mode(modes) if greedy else None
-    by_key = {(r["dataset"], r["prompt_id"]): r for r in records if r["mode"] == ref}
+    by_key = {(r["dataset"], r["prompt_id"], r.get("repeat", 0)): r for r in records if r["mode"] == ref}
     for r in records:
-        other = by_key.get((r["dataset"], r["prompt_id"])) if ref else None
+        other = by_key.get((r["dataset"], r["prompt_id"], r.get("repeat", 0))) if ref else None
         r["matches_reference"] = None if other is None else (r["token_ids"] == other["token_ids"])
 
 
 def summarize(records: list[dict], datasets: list[str], modes: list[str], greedy: bool) -> list[dict]:
-    """One entry per (dataset, mode) with records; keys SUMMARY_KEYS. Marks exactness on the records."""
+    """One entry per (dataset, mode) with records; keys SUMMARY_KEYS. Marks exactness on the records.
+
+    repeats: passes found; speedups: the speedup of each pass (one entry without repeats)."""
     mark_exactness(records, modes, greedy)
     ref = reference_mode(modes) if greedy else None
     out = []
     for ds in datasets:
         groups = {m: [r for r in records if r["dataset"] == ds and r["mode"] == m] for m in modes}
+        passes = sorted({r.get("repeat", 0) for rs in groups.values() for r in rs})
+        per = {p: {m: _agg([r for r in rs if r.get("repeat", 0) == p]) for m, rs in groups.items()} for p in passes}
         aggs = {m: _agg(rs) for m, rs in groups.items() if rs}
         base = [(aggs[b]["tpot_s"], b) for b in BASELINES if b in aggs and aggs[b]["tpot_s"]]
         base_tpot, base_mode = min(base) if base else (None, None)
         for m, a in aggs.items():
             compared = [r["matches_reference"] for r in groups[m] if r["matches_reference"] is not None]
             mism = sum(1 for same in compared if not same) if compared else None
+            speedups, tpots, rates = [], [], []
+            for p in passes:
+                got = per[p][m]
+                if not got["prompts"] or not got["tpot_s"]:
+                    continue
+                tpots.append(got["tpot_s"])
+                rates.append(got["tokens_per_s"])
+                b = per[p].get(base_mode) if base_mode else None
+                if b and b["tpot_s"]:
+                    speedups.append(b["tpot_s"] / got["tpot_s"])
+            several = len(tpots) > 1
             out.append({
                 "dataset": ds, "mode": m,
-                "speedup": base_tpot / a["tpot_s"] if base_tpot and a["tpot_s"] else None,
-                "tau": a["tau"], "tokens_per_s": a["tokens_per_s"], "tpot_s": a["tpot_s"],
+                "speedup": statistics.median(speedups) if several and speedups else
+                (base_tpot / a["tpot_s"] if base_tpot and a["tpot_s"] else None),
+                "tau": a["tau"],
+                "tokens_per_s": statistics.median(rates) if several else a["tokens_per_s"],
+                "tpot_s": statistics.median(tpots) if several else a["tpot_s"],
                 "mean_tree_size": a["mean_tree_size"], "mismatches": mism,
-                "prompts": a["prompts"], "decode_tokens": a["decode_tokens"], "ttft_s": a["ttft_s"],
-                "e2e_s": a["e2e_s"], "baseline": base_mode, "reference": ref,
+                "prompts": len({r["prompt_id"] for r in groups[m]}), "decode_tokens": a["decode_tokens"],
+                "ttft_s": a["ttft_s"], "e2e_s": a["e2e_s"], "baseline": base_mode, "reference": ref,
+                "repeats": len(tpots), "speedups": speedups,
             })
     return out
 
@@ -140,7 +164,8 @@ def markdown_report(results: dict) -> str:
         "",
         f"Command: `{env.get('command')}`",
         "",
-        "Cells: speedup over the faster of ar-hf and ar (decode TPOT) / tau (tokens committed per step).",
+        "Cells: speedup over the faster of ar-hf and ar (decode TPOT) / tau (tokens committed per step)"
+        + (f"; times and speedups are medians of {st['repeats']} passes." if st.get("repeats", 1) > 1 else "."),
         "",
         markdown_table(results["summary"], ds, modes),
         "",

@@ -61,6 +61,9 @@ class BenchSettings:
     ignore_eos: bool = False
     num_prompts: int | None = None
     budgets: list[int] = field(default_factory=list)
+    #: Passes over every prompt and mode; times and speedups are then medians over passes
+    #: (bench.report.summarize). Not a measurement key: a resumed run with more adds passes.
+    repeats: int = 1
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -219,6 +222,9 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
     The order of the modes rotates by one from prompt to prompt (prompt i starts with mode
     i mod M), so that no mode always runs first or last in a prompt's cycle: on a machine whose
     speed drifts (measured here: up to 80 % within an hour) a fixed order hands one mode the drift.
+    With settings.repeats = R > 1 the whole sequence runs R times (pass p starts prompt i with
+    mode (i + p) mod M); each record carries its `repeat`, and the summary's times and speedups
+    are medians over passes (bench.report.summarize).
 
     settings.modes must name `modes` in order; settings.datasets is set from prompt_sets.
     encode: messages -> prompt ids (default chat_encoder(target)). env: environment dict
@@ -236,7 +242,9 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
                "datasets": dict((skipped or {}).get("datasets") or {}), "prompts": {}}
     path = out / RESULTS
     records = [] if fresh else load_results(path, settings)
-    done = {(r["dataset"], r["prompt_id"], r["mode"]) for r in records}
+    if settings.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {settings.repeats}")
+    done = {(r["dataset"], r["prompt_id"], r["mode"], r.get("repeat", 0)) for r in records}
     started = _dt.datetime.now().isoformat(timespec="seconds")
 
     # Prompts that cannot fit the target's context are left out of every mode.
@@ -250,7 +258,8 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
                                                             f"tokens exceeds the context of {target.max_context}")
                 continue
             todo.append((ds, rec, turns))
-    pending = sum(1 for ds, rec, _ in todo for m in modes if (ds, rec["id"], m.name) not in done)
+    pending = sum(1 for rep in range(settings.repeats) for ds, rec, _ in todo for m in modes
+                  if (ds, rec["id"], m.name, rep) not in done)
 
     def results(status: str) -> dict:
         keep = {(ds, rec["id"]) for ds, rec, _ in todo}
@@ -277,11 +286,13 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
 
     bar = _progress(pending, progress)
     try:
-        for i, (ds, rec, turns) in enumerate(todo):
+        for rep, i, (ds, rec, turns) in ((rep, i, t) for rep in range(settings.repeats) for i, t in enumerate(todo)):
+            if f"{ds}/{rec['id']}" in skipped["prompts"]:
+                continue
             new = False
-            k = i % len(modes)
+            k = (i + rep) % len(modes)
             for mode in modes[k:] + modes[:k]:
-                if (ds, rec["id"], mode.name) in done:
+                if (ds, rec["id"], mode.name, rep) in done:
                     continue
                 seed = prompt_seed(settings.seed, ds, rec["id"])
                 try:
@@ -291,8 +302,8 @@ def run_bench(settings: BenchSettings, target: Target, modes: list[Mode], prompt
                     records[:] = [r for r in records if (r["dataset"], r["prompt_id"]) != (ds, rec["id"])]
                     break
                 records.append({"dataset": ds, "prompt_id": rec["id"], "kind": rec.get("kind"), "mode": mode.name,
-                                "seed": seed, **m.to_json()})
-                done.add((ds, rec["id"], mode.name))
+                                "seed": seed, "repeat": rep, **m.to_json()})
+                done.add((ds, rec["id"], mode.name, rep))
                 new = True
                 if bar is not None:
                     bar.update(1)

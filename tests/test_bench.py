@@ -208,6 +208,41 @@ def test_mode_order_rotates_from_prompt_to_prompt(tiny, tmp_path):
     assert all(s["mismatches"] == 0 for s in res["summary"])
 
 
+def test_repeats_run_every_prompt_again_and_report_medians(tiny, tmp_path):
+    """--repeats 2: every prompt and mode twice, the second pass's mode order shifted by one;
+    each cell's TPOT and speedup are the medians of the two passes' (the speedup paired per
+    pass); a resumed run asking for 3 passes runs only the third."""
+    target, drafter = tiny
+    modes = ["ar", "tree-4"]
+    order = []
+
+    class Logged(_Counting):
+        def run(self, turns, encode, params):
+            order.append((turns[0], self.name))
+            return super().run(turns, encode, params)
+
+    objs = [Logged(m) for m in build_modes(modes, target, drafter)]
+    res = _run(tiny, tmp_path, modes=modes, mode_objs=objs, warmup=False, settings=_settings(modes, repeats=2))
+    recs = res["records"]
+    assert len(recs) == 2 * 3 * len(modes) and {r["repeat"] for r in recs} == {0, 1}
+    assert [o[1] for o in order[:6]] == ["ar", "tree-4", "tree-4", "ar", "ar", "tree-4"]
+    assert [o[1] for o in order[6:]] == ["tree-4", "ar", "ar", "tree-4", "tree-4", "ar"]
+    for s in res["summary"]:
+        assert s["repeats"] == 2 and len(s["speedups"]) == 2 and s["prompts"] == len(PROMPTS[s["dataset"]])
+        assert s["speedup"] == pytest.approx(sum(s["speedups"]) / 2)  # the median of two
+        tpots = []
+        for p in (0, 1):
+            mine = [r for r in recs if r["dataset"] == s["dataset"] and r["mode"] == s["mode"] and r["repeat"] == p]
+            tpots.append(sum(r["decode_s"] for r in mine) / sum(r["decode_tokens"] for r in mine))
+        assert s["tpot_s"] == pytest.approx(sum(tpots) / 2)
+        assert s["mismatches"] == 0  # each record is compared with the reference of its own pass
+    assert "medians of 2 passes" in (tmp_path / "report.md").read_text()
+    objs = [_Counting(m) for m in build_modes(modes, target, drafter)]
+    more = _run(tiny, tmp_path, modes=modes, mode_objs=objs, warmup=False, settings=_settings(modes, repeats=3))
+    assert [len(o.calls) for o in objs] == [3, 3] and len(more["records"]) == 3 * 3 * len(modes)
+    assert all(s["repeats"] == 3 for s in more["summary"])
+
+
 def test_resume_refuses_other_settings_unless_fresh(tiny, tmp_path):
     modes = ["ar"]
     _run(tiny, tmp_path, modes=modes, settings=_settings(modes), plot=False)
