@@ -81,8 +81,8 @@ SHARED_ALPHA = 0.05
 #: step's clock misses what speculation costs a batch beyond its own steps. Requests that speculate
 #: finish at different steps, so their successors' prompts are prefilled one at a time inside decode
 #: steps and the last requests run in smaller batches. Measured at 8 clients (avx512_bf16 EPYC,
-#: float32): bastion's 8-sequence steps ran at 0.96-1.04 of batched AR's, its cells at 0.89-0.92
-#: (docs/results/concurrency_bench.md).
+#: float32): bastion's 8-sequence steps ran at 0.96-0.97 of batched AR's, its cells at 0.92
+#: (docs/controller.md, "A stale plain baseline, the batched bar, and refits that stall").
 BATCH_SPECULATION_BAR = 1.1
 
 #: The measured plain baseline (`plain_step_seconds`) is the median of the plain steps of the last
@@ -409,8 +409,8 @@ class BudgetController:
         new ones replace them: plain steps timed during a busy start-up kept the baseline at
         about twice the quiet machine's for whole requests, every speculative step looked
         1.6-1.9 times better than plain decoding, and bastion ran at 0.82x AR (docs/controller.md,
-        "A stale plain baseline"). Fresh ones come at least every PLAIN_REFRESH steps
-        (`refresh_plain`)."""
+        "A stale plain baseline, the batched bar, and refits that stall"). Fresh ones come at
+        least every PLAIN_REFRESH steps (`refresh_plain`)."""
         model = self.profiler.model  # once: a background refit may swap it meanwhile
         b = batch_size if self._fresh_plain(batch_size) else 1
         return self.predicted_plain_seconds(context_len, batch_size, model) * self._measured_ratio(b, model)
@@ -503,8 +503,8 @@ class BudgetController:
         and plain decoding counts as BATCH_SPECULATION_BAR, not below 1 as in the single-stream
         gate's near-tie rule. In batched steps drafting's gains sit near 1 for long stretches; with
         the single-stream margin these gates kept drafting at 4 and 8 clients, at 0.88-0.90 of
-        batched AR, and at a bar of 1 the free proposals ran at 0.89-0.92 of batched AR at 8
-        clients while their steps' gains read 1.00-1.29 (docs/results/concurrency_bench.md)."""
+        batched AR, and at a bar of 1 the free proposals ran at 0.92 of batched AR at 8 clients
+        while their steps' gains read 1.00-1.29 (docs/controller.md, "A stale plain baseline, the batched bar, and refits that stall")."""
         alpha, every, _ = self._gate_proto
         return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - BATCH_SPECULATION_BAR)
 

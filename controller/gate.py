@@ -86,9 +86,8 @@ class SpeculationGate:
     shift_sigmas standard errors of the fast one. plain_margin: plain decoding counts as
     1 - plain_margin when arms are compared (its `gain` stays 1; a negative margin makes a
     speculative arm beat plain decoding by that much, as in batched steps, controller/budget.py).
-    explore_every: the longest an
-    arm that is not the best waits for its next sample (shorter the closer it is to the best; see
-    the module docstring). Arms never sampled come first (draft, then cheap).
+    explore_every: the longest an arm that is not the best waits for its next sample (shorter the
+    closer it is to the best; see the module docstring). Arms never sampled come first (draft, then cheap).
     Raises ValueError for an unknown arm, no arm, alpha or slow_alpha outside (0, 1],
     shift_sigmas <= 0, plain_margin outside (-1, 1) or explore_every < 1.
     """
@@ -134,7 +133,8 @@ class SpeculationGate:
         return max(known, key=self.value)
 
     def choice(self) -> str:
-        """The arm the next step should use. Pure: it changes only when `record` or `force` is called."""
+        """The arm the next step should use. Pure: it changes only when `record`, `tick`, `force` or
+        `sample` is called."""
         if self.forced is not None:
             return self.forced
         if self.once is not None:
