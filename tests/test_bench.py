@@ -161,6 +161,18 @@ class _Counting:
         return self.inner.run(turns, encode, params)
 
 
+class _Logged(_Counting):
+    """A _Counting that also appends (first turn, mode name) to a list shared by all modes."""
+
+    def __init__(self, inner, order: list):
+        super().__init__(inner)
+        self.order = order
+
+    def run(self, turns, encode, params):
+        self.order.append((turns[0], self.name))
+        return super().run(turns, encode, params)
+
+
 def test_resume_after_interruption_runs_only_what_is_missing(tiny, tmp_path):
     target, drafter = tiny
     modes = ["ar", "tree-4"]
@@ -194,13 +206,7 @@ def test_mode_order_rotates_from_prompt_to_prompt(tiny, tmp_path):
     target, drafter = tiny
     modes = ["ar", "tree-4", "chain"]
     order = []
-
-    class Logged(_Counting):
-        def run(self, turns, encode, params):
-            order.append((turns[0], self.name))
-            return super().run(turns, encode, params)
-
-    objs = [Logged(m) for m in build_modes(modes, target, drafter)]
+    objs = [_Logged(m, order) for m in build_modes(modes, target, drafter)]
     res = _run(tiny, tmp_path, modes=modes, mode_objs=objs, warmup=False)
     prompts = [p["prompt"] for ps in PROMPTS.values() for p in ps]
     assert [o[1] for o in order] == ["ar", "tree-4", "chain", "tree-4", "chain", "ar", "chain", "ar", "tree-4"]
@@ -215,13 +221,7 @@ def test_repeats_run_every_prompt_again_and_report_medians(tiny, tmp_path):
     target, drafter = tiny
     modes = ["ar", "tree-4"]
     order = []
-
-    class Logged(_Counting):
-        def run(self, turns, encode, params):
-            order.append((turns[0], self.name))
-            return super().run(turns, encode, params)
-
-    objs = [Logged(m) for m in build_modes(modes, target, drafter)]
+    objs = [_Logged(m, order) for m in build_modes(modes, target, drafter)]
     res = _run(tiny, tmp_path, modes=modes, mode_objs=objs, warmup=False, settings=_settings(modes, repeats=2))
     recs = res["records"]
     assert len(recs) == 2 * 3 * len(modes) and {r["repeat"] for r in recs} == {0, 1}

@@ -239,7 +239,7 @@ def test_a_request_samples_an_inherited_losing_arm_early_and_takes_it_when_it_pa
     assert loses.period("draft") > 5 * MIN_PERIOD
 
 
-def test_force_makes_every_choice_until_released():
+def test_force_makes_every_choice_until_released_and_sample_the_next_one():
     g = SpeculationGate()
     g.record("draft", 2.0, 1.2)
     g.record("cheap", 1.5, 1.0)
@@ -248,25 +248,16 @@ def test_force_makes_every_choice_until_released():
     assert g.choice() == "plain" and not g.should_draft()
     g.record("plain")
     assert g.choice() == "plain"
+    g.sample("cheap")
+    assert g.choice() == "plain"  # a forced arm comes first
     g.force(None)
+    assert g.choice() == "cheap"  # the sample, once
+    g.record("cheap", 1.5, 1.0)
+    assert g.choice() == "draft"
+    g.sample("plain")
+    g.tick()  # a step that used no arm clears it too
     assert g.choice() == "draft"
     with pytest.raises(ValueError, match="unknown arm"):
         SpeculationGate(arms=("draft", "plain")).force("cheap")
-
-
-def test_sample_makes_the_next_choice_once():
-    g = SpeculationGate(arms=("draft", "plain"))
-    g.record("draft", 2.0, 1.2)
-    assert g.choice() == "draft"
-    g.sample("plain")
-    assert g.choice() == "plain" and not g.should_draft()
-    g.record("plain")
-    assert g.choice() == "draft"
-    g.sample("plain")
-    g.tick()
-    assert g.choice() == "draft"
-    with pytest.raises(ValueError):
-        g.sample("cheap")
-    g.force("draft")
-    g.sample("plain")
-    assert g.choice() == "draft"  # a forced arm comes first
+    with pytest.raises(ValueError, match="unknown arm"):
+        SpeculationGate(arms=("draft", "plain")).sample("cheap")
