@@ -412,8 +412,15 @@ class BudgetController:
         "A stale plain baseline, the batched bar, and refits that stall"). Fresh ones come at
         least every PLAIN_REFRESH steps (`refresh_plain`)."""
         model = self.profiler.model  # once: a background refit may swap it meanwhile
-        b = batch_size if self._fresh_plain(batch_size) else 1
-        return self.predicted_plain_seconds(context_len, batch_size, model) * self._measured_ratio(b, model)
+        ratio = self._measured_ratio(batch_size, model)
+        if ratio is None and batch_size > 1:
+            ratio = self._measured_ratio(1, model)
+        return self.predicted_plain_seconds(context_len, batch_size, model) * (1.0 if ratio is None else ratio)
+
+    @property
+    def _step_count(self) -> int:
+        """Steps recorded so far, single and batched: the clock plain steps' ages are kept in."""
+        return self.steps + self.batch_steps
 
     def refresh_plain(self, gate: SpeculationGate, b: int) -> None:
         """Before a step of b sequences decided by `gate`: when b's newest measured plain step is
@@ -422,27 +429,24 @@ class BudgetController:
         measured (`plain_step_seconds`)."""
         if gate.forced is not None or "plain" not in gate.arms:
             return
-        now = self.steps + self.batch_steps
         hist = self._plain.get(b)
-        newest = hist[-1][2] if hist else 0
-        if now - newest >= PLAIN_REFRESH:
+        if self._step_count - (hist[-1][2] if hist else 0) >= PLAIN_REFRESH:
             gate.sample("plain")
 
     def _fresh_plain(self, b: int) -> bool:
         """Drop plain steps older than PLAIN_MAX_AGE from b's history; True when any remain."""
         hist = self._plain.get(b)
-        if not hist:
-            return False
-        oldest = self.steps + self.batch_steps - PLAIN_MAX_AGE
-        if hist[0][2] < oldest:
-            while hist and hist[0][2] < oldest:
-                hist.popleft()
+        oldest = self._step_count - PLAIN_MAX_AGE
+        while hist and hist[0][2] < oldest:
+            hist.popleft()
             self._plain_ratio.pop(b, None)
         return bool(hist)
 
-    def _measured_ratio(self, b: int, model: LatencyModel) -> float:
+    def _measured_ratio(self, b: int, model: LatencyModel) -> float | None:
+        """Median of b's fresh plain steps' measured seconds over the model's prediction at theirs;
+        None without any."""
         if not self._fresh_plain(b):
-            return 1.0
+            return None
         hist = self._plain[b]
         overhead = self.seq_overhead.value if b > 1 else 0.0
         cached = self._plain_ratio.get(b)
@@ -458,7 +462,7 @@ class BudgetController:
 
     def _add_plain(self, b: int, context_total: int, seconds: float) -> None:
         self._plain.setdefault(b, collections.deque(maxlen=self._plain_history)).append(
-            (int(context_total), float(seconds), self.steps + self.batch_steps))
+            (int(context_total), float(seconds), self._step_count))
         self._plain_ratio.pop(b, None)
 
     # ---- batched steps ----------------------------------------------------------------
@@ -504,7 +508,8 @@ class BudgetController:
         gate's near-tie rule. In batched steps drafting's gains sit near 1 for long stretches; with
         the single-stream margin these gates kept drafting at 4 and 8 clients, at 0.88-0.90 of
         batched AR, and at a bar of 1 the free proposals ran at 0.92 of batched AR at 8 clients
-        while their steps' gains read 1.00-1.29 (docs/controller.md, "A stale plain baseline, the batched bar, and refits that stall")."""
+        while their steps' gains read 1.00-1.29 (docs/controller.md, "A stale plain baseline, the
+        batched bar, and refits that stall")."""
         alpha, every, _ = self._gate_proto
         return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - BATCH_SPECULATION_BAR)
 
