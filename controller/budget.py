@@ -85,6 +85,13 @@ SHARED_ALPHA = 0.05
 #: (docs/controller.md, "A stale plain baseline, the batched bar, and refits that stall").
 BATCH_SPECULATION_BAR = 1.1
 
+#: The bar of batches of two (`batch_bar`): with two sequences the desynchronised tail costs
+#: little, and at 2 clients the 1.1 bar left bastion at 0.92 of tree-4 in 2 passes of 3 (3.7-4.4
+#: nodes a forward against tree-4's 7.0). In an interleaved A/B at 2 clients (avx512_bf16 EPYC,
+#: float32, 4 passes; scripts/batch_bar_ab.py) a bar of 1.0 for this class ran at 38.3 tok/s
+#: (tree-4 38.3, the 1.1 bar 36.0; docs/controller.md, "The bar of batches of two").
+PAIR_SPECULATION_BAR = 1.0
+
 #: The measured plain baseline (`plain_step_seconds`) is the median of the plain steps of the last
 #: PLAIN_MAX_AGE steps (single and batched counted together); when a batch size has had no plain
 #: step for PLAIN_REFRESH steps, its next step is plain (`refresh_plain`), so four or more are in
@@ -365,7 +372,7 @@ class BudgetController:
         key = 1 << (int(batch_size) - 1).bit_length()
         gate = self._batch_gates.get(key)
         if gate is None:
-            gate = self._batch_gates[key] = self._batch_gate(self._gate_proto[2])
+            gate = self._batch_gates[key] = self._batch_gate(self._gate_proto[2], self.batch_bar(key))
             smaller = [k for k in self._batch_gates if k < key]
             gate.inherit(self._batch_gates[max(smaller)] if smaller else self.gate)
         return gate
@@ -500,23 +507,34 @@ class BudgetController:
         docs/method.md, section 9), whether drafting pays for this request, judged by its
         marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
         from the shared gate (`solo_gate`)."""
-        return RequestGates(self._batch_gate(("draft", "plain")))
+        return RequestGates(self._batch_gate(("draft", "plain"), BATCH_SPECULATION_BAR))
 
-    def _batch_gate(self, arms: tuple[str, ...]) -> SpeculationGate:
+    def _batch_gate(self, arms: tuple[str, ...], bar: float) -> SpeculationGate:
         """A gate of batched steps (a batch-size class's, a request's inside batches): one average,
-        and plain decoding counts as BATCH_SPECULATION_BAR, not below 1 as in the single-stream
+        and plain decoding counts as `bar` (`batch_bar`), not below 1 as in the single-stream
         gate's near-tie rule. In batched steps drafting's gains sit near 1 for long stretches; with
         the single-stream margin these gates kept drafting at 4 and 8 clients, at 0.88-0.90 of
         batched AR, and at a bar of 1 the free proposals ran at 0.92 of batched AR at 8 clients
         while their steps' gains read 1.00-1.29 (docs/controller.md, "A stale plain baseline, the
         batched bar, and refits that stall")."""
         alpha, every, _ = self._gate_proto
-        return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - BATCH_SPECULATION_BAR)
+        return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - bar)
 
-    def sequence_drafts(self, state: RequestGates | None) -> bool:
-        """In a batched step whose class gate drafts: True when this request's own gate drafts
-        (its best arm, or the one it explores); True for a request without one."""
-        return state is None or state.batch.should_draft()
+    @staticmethod
+    def batch_bar(batch_size: int) -> float:
+        """The factor by which drafting must beat a plain batched step of batch_size sequences
+        (>= 2): PAIR_SPECULATION_BAR for two, BATCH_SPECULATION_BAR for more (docs/method.md,
+        section 9)."""
+        return PAIR_SPECULATION_BAR if batch_size <= 2 else BATCH_SPECULATION_BAR
+
+    def sequence_drafts(self, state: RequestGates | None, batch_size: int) -> bool:
+        """In a batched step of batch_size sequences whose class gate drafts: True when this
+        request's own gate drafts (its best arm, or the one it explores), judged at the bar of
+        this batch size (`batch_bar`); True for a request without one."""
+        if state is None:
+            return True
+        state.batch.plain_margin = 1.0 - self.batch_bar(batch_size)
+        return state.batch.should_draft()
 
     @staticmethod
     def marginal_gains(stats: Sequence, plain_s: float) -> list[tuple[float, float] | None]:

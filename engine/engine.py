@@ -164,8 +164,9 @@ class StepController(Protocol):
         """A new request's own controller state (kept in Sequence.control; None: none)."""
         ...
 
-    def sequence_drafts(self, state: object) -> bool:
-        """In a batched step whose drafter runs (`should_draft`): does this sequence take part?"""
+    def sequence_drafts(self, state: object, batch_size: int) -> bool:
+        """In a batched step of batch_size sequences whose drafter runs (`should_draft`): does
+        this sequence take part?"""
         ...
 
     def observe_batch(self, stats: list[StepStats], trees: list[Tree], states: list[object] | None = None) -> None:
@@ -201,7 +202,7 @@ class FixedController:
     def sequence_state(self) -> None:
         return None
 
-    def sequence_drafts(self, state: object) -> bool:
+    def sequence_drafts(self, state: object, batch_size: int) -> bool:
         return True
 
     def observe_batch(self, stats: list[StepStats], trees: list[Tree], states: list[object] | None = None) -> None:
@@ -449,7 +450,7 @@ class Engine:
                 if free is not None:
                     proposals[0], trees[0] = free
         if drafted and b > 1:  # each sequence's own gate: does drafting pay for this request?
-            want = [r for r in want if controller.sequence_drafts(seqs[r].control)]
+            want = [r for r in want if controller.sequence_drafts(seqs[r].control, b)]
             drafted = bool(want)
         if want and drafted:
             try:

@@ -219,7 +219,7 @@ def test_each_request_has_its_own_gate_inside_a_batch():
     request whose drafts pay keeps drafting; the one kept out is sampled again later."""
     ctl = _controller()
     states = [ctl.sequence_state() for _ in range(4)]
-    assert all(ctl.sequence_drafts(s) for s in states) and ctl.sequence_drafts(None)
+    assert all(ctl.sequence_drafts(s, 4) for s in states) and ctl.sequence_drafts(None, 4)
     tree = build_tree(0, random_marginals(4, 4), FixedBudgetPolicy(8), 4)
     for _ in range(5):  # plain batched steps set the measured baseline: 0.05 s for 4 sequences
         ctl.observe_batch([StepStats(tree_size=1, accepted=1, accepted_depth=0, context_len=500, a_hat=1.0,
@@ -229,7 +229,7 @@ def test_each_request_has_its_own_gate_inside_a_batch():
 
     def drafted_step():
         cls = ctl.should_draft(4)  # the class's gate samples plain steps now and then (its bar is above 1)
-        drafting = [cls and ctl.sequence_drafts(s) for s in states]
+        drafting = [cls and ctl.sequence_drafts(s, 4) for s in states]
         stats = [StepStats(tree_size=8 if d else 1, accepted=(6 if r == 0 else 1) if d else 1,
                            accepted_depth=0, context_len=500, a_hat=2.0, drafted=d, draft_s=0.01,
                            verify_s=0.06, other_s=0.001) for r, d in enumerate(drafting)]
@@ -280,6 +280,31 @@ def test_batched_gates_need_drafting_to_beat_plain_decoding_by_the_bar():
         for _ in range(6):
             ctl.gate.record("draft", 1.05, 1.1)
         assert ctl.gate.best() == "draft"
+
+
+def test_batches_of_two_count_plain_decoding_at_the_pair_bar():
+    """Batches of two judge drafting against PAIR_SPECULATION_BAR, larger ones against
+    BATCH_SPECULATION_BAR: a drafter measured at 1.05 x a plain batched step drafts in the class of
+    two and not in the class of four, and one request's own gate follows the size of each step."""
+    from controller.budget import BATCH_SPECULATION_BAR, PAIR_SPECULATION_BAR
+
+    assert PAIR_SPECULATION_BAR < 1.05 < BATCH_SPECULATION_BAR
+    ctl = _controller()
+    assert ctl.batch_bar(2) == PAIR_SPECULATION_BAR and ctl.batch_bar(3) == ctl.batch_bar(8) == BATCH_SPECULATION_BAR
+    pair, four = ctl.gate_for(2), ctl.gate_for(4)
+    assert pair.value("plain") == pytest.approx(PAIR_SPECULATION_BAR)
+    assert four.value("plain") == pytest.approx(BATCH_SPECULATION_BAR)
+    for gate in (pair, four):
+        for _ in range(6):
+            gate.record("draft", 1.05, 1.1)
+    assert (pair.best(), four.best()) == ("draft", "plain")
+    state = ctl.sequence_state()
+    for _ in range(6):
+        state.batch.record("draft", 1.05, 1.1)
+    assert ctl.sequence_drafts(state, 2) and state.batch.best() == "draft"
+    ctl.sequence_drafts(state, 4)
+    assert state.batch.best() == "plain"
+    assert ctl.sequence_drafts(state, 2)
 
 
 def test_plain_steps_of_a_busy_start_stop_setting_the_baseline():
