@@ -89,7 +89,8 @@ BATCH_SPECULATION_BAR = 1.1
 #: little, and at 2 clients the 1.1 bar left bastion at 0.92 of tree-4 in 2 passes of 3 (3.7-4.4
 #: nodes a forward against tree-4's 7.0). In an interleaved A/B at 2 clients (avx512_bf16 EPYC,
 #: float32, 4 passes; scripts/batch_bar_ab.py) a bar of 1.0 for this class ran at 38.3 tok/s
-#: (tree-4 38.3, the 1.1 bar 36.0; docs/controller.md, "The bar of batches of two").
+#: (tree-4 38.3, the 1.1 bar 36.0), and in the next full concurrency run bastion was the best mode
+#: at 2 clients (1.06 of batched AR; docs/controller.md, "The bar of batches of two").
 PAIR_SPECULATION_BAR = 1.0
 
 #: The measured plain baseline (`plain_step_seconds`) is the median of the plain steps of the last
