@@ -7,6 +7,7 @@ silently ignored. Every refusal becomes an `APIError` with HTTP status 400.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
@@ -276,7 +277,8 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
             err = max(same, key=lambda x: len(x.get("loc", ())))
         kind = err.get("type", "")
         if kind == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {err.get('msg')}", code="invalid_json") from None
+            why = (_LONE_SURROGATE if _has_lone_surrogate(body) else err.get("msg"))
+            raise APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
         if kind in ("model_type", "model_attributes_type") and not err.get("loc"):
             raise APIError(400, "the request body must be a JSON object", code="invalid_body") from None
         param = _loc_to_param(err.get("loc", ()))
@@ -286,6 +288,23 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
         text = f"{param}: {msg}" if param else msg
         code = "missing_required_parameter" if kind == "missing" else "invalid_value"
         raise APIError(400, text, param=param, code=code) from None
+
+
+_LONE_SURROGATE = ("a \\u escape in a string encodes half of a UTF-16 surrogate pair "
+                   "(U+D800-U+DFFF) without the other half, which is no character")
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """True when `body` is JSON that Python's lenient parser reads but whose strings hold an
+    unpaired surrogate (pydantic's parser reports these as an 'unexpected end of hex escape')."""
+    try:
+        obj = json.loads(body)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}

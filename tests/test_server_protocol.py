@@ -42,6 +42,8 @@ def test_valid_request_defaults_and_aliases():
     (chat(max_tokens="5"), "max_tokens", "integer"),
     (chat(stream_options={"include_usage": True}), None, "stream_options"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None, ""),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', None, "surrogate pair (U+D800-U+DFFF) without"),
+    (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', None, "surrogate pair"),
 ])
 def test_invalid_requests_name_the_field(body, param, words):
     with pytest.raises(APIError) as ei:
