@@ -77,7 +77,8 @@ COST_CONTEXT_STEP = 16
 #: prompt moves it a third as fast as it moves the request's own gate (about 20 samples of memory).
 SHARED_ALPHA = 0.05
 
-#: In batched steps a speculative arm must beat plain decoding by this factor (`_batch_gate`): the
+#: In batched steps of three or more sequences a speculative arm must beat plain decoding by this
+#: factor (`batch_bar`; batches of two: PAIR_SPECULATION_BAR): the
 #: step's clock misses what speculation costs a batch beyond its own steps. Requests that speculate
 #: finish at different steps, so their successors' prompts are prefilled one at a time inside decode
 #: steps and the last requests run in smaller batches. Measured at 8 clients (avx512_bf16 EPYC,
@@ -508,6 +509,7 @@ class BudgetController:
         docs/method.md, section 9), whether drafting pays for this request, judged by its
         marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
         from the shared gate (`solo_gate`)."""
+        # its bar is set per step from the step's batch size (`sequence_drafts`)
         return RequestGates(self._batch_gate(("draft", "plain"), BATCH_SPECULATION_BAR))
 
     def _batch_gate(self, arms: tuple[str, ...], bar: float) -> SpeculationGate:

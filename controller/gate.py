@@ -85,7 +85,8 @@ class SpeculationGate:
     decision average (`gain`), which jumps to the fast one when they part by more than
     shift_sigmas standard errors of the fast one. plain_margin: plain decoding counts as
     1 - plain_margin when arms are compared (its `gain` stays 1; a negative margin makes a
-    speculative arm beat plain decoding by that much, as in batched steps, controller/budget.py).
+    speculative arm beat plain decoding by that much, as in batches of three or more,
+    controller/budget.py).
     explore_every: the longest an arm that is not the best waits for its next sample (shorter the
     closer it is to the best; see the module docstring). Arms never sampled come first (draft, then cheap).
     Raises ValueError for an unknown arm, no arm, alpha or slow_alpha outside (0, 1],

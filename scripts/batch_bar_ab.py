@@ -16,7 +16,7 @@ from engine.sampling import SamplingParams
 ap = argparse.ArgumentParser()
 ap.add_argument("clients", nargs="?", type=int, default=2)
 ap.add_argument("passes", nargs="?", type=int, default=4)
-ap.add_argument("bar", nargs="?", type=float, default=1.0)
+ap.add_argument("bar", nargs="?", type=float, default=1.1)
 ap.add_argument("--tree", type=int, default=4)
 args = ap.parse_args()
 torch.set_num_threads(2)

@@ -7,7 +7,7 @@ silently ignored. Every refusal becomes an `APIError` with HTTP status 400.
 """
 from __future__ import annotations
 
-import json
+import re
 import time
 from typing import Literal
 
@@ -277,7 +277,7 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
             err = max(same, key=lambda x: len(x.get("loc", ())))
         kind = err.get("type", "")
         if kind == "json_invalid":
-            why = (_LONE_SURROGATE if _has_lone_surrogate(body) else err.get("msg"))
+            why = _LONE_SURROGATE if _has_lone_surrogate(body, str(err.get("msg", ""))) else err.get("msg")
             raise APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json") from None
         if kind in ("model_type", "model_attributes_type") and not err.get("loc"):
             raise APIError(400, "the request body must be a JSON object", code="invalid_body") from None
@@ -294,17 +294,23 @@ _LONE_SURROGATE = ("a \\u escape in a string encodes half of a UTF-16 surrogate 
                    "(U+D800-U+DFFF) without the other half, which is no character")
 
 
-def _has_lone_surrogate(body: bytes) -> bool:
-    """True when `body` is JSON that Python's lenient parser reads but whose strings hold an
-    unpaired surrogate (pydantic's parser reports these as an 'unexpected end of hex escape')."""
-    try:
-        obj = json.loads(body)
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    except (ValueError, RecursionError):
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_POSITION = re.compile(r"line (\d+) column (\d+)")
+
+
+def _has_lone_surrogate(body: bytes, msg: str) -> bool:
+    """True when pydantic's JSON error `msg` is a bad hex escape and the escape it points at
+    encodes a surrogate (U+D800-U+DFFF): pydantic reports an unpaired one as an 'unexpected end
+    of hex escape'. Reads only the few bytes before the reported position."""
+    where = _POSITION.search(msg) if "hex escape" in msg else None
+    if where is None:
         return False
-    return False
+    line_no, col = int(where.group(1)), int(where.group(2))
+    lines = body.split(b"\n", line_no)
+    if line_no > len(lines):
+        return False
+    line = lines[line_no - 1]
+    return _SURROGATE_ESCAPE.search(line[max(col - 14, 0):col + 1]) is not None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "TextPart"}

@@ -264,9 +264,9 @@ def test_batched_steps_feed_each_proposal_kind_its_own_surrogate_check():
 
 
 def test_batched_gates_need_drafting_to_beat_plain_decoding_by_the_bar():
-    """In batched steps plain decoding counts as BATCH_SPECULATION_BAR: a drafter measured at
-    1.05 x a plain batched step is left off, one at 1.2 x is used; single-sequence steps still
-    take the near-tie (their gate counts plain decoding below 1)."""
+    """In batched steps of three or more plain decoding counts as BATCH_SPECULATION_BAR: a
+    drafter measured at 1.05 x a plain batched step is left off, one at 1.2 x is used;
+    single-sequence steps still take the near-tie (their gate counts plain decoding below 1)."""
     from controller.budget import BATCH_SPECULATION_BAR
 
     assert BATCH_SPECULATION_BAR > 1.05

@@ -57,6 +57,19 @@ def test_invalid_requests_name_the_field(body, param, words):
     assert set(env) == {"message", "type", "param", "code"} and env["message"] == e.message
 
 
+def test_only_surrogate_escapes_are_called_unpaired_surrogates():
+    """The surrogate message needs a \\uD800-\\uDFFF escape at the reported position: on another
+    line than the first it is found, raw surrogate bytes (invalid UTF-8) and other bad escapes keep
+    the parser's own message."""
+    with pytest.raises(APIError, match="surrogate pair"):
+        parse_request(ChatCompletionRequest, b'{"messages": [\n{"role": "user",\n"content": "\\udc00"}]}')
+    for body, words in ((b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}', "invalid unicode code point"),
+                        (b'{"messages": [{"role": "user", "content": "\\u12"}]}', "invalid escape")):
+        with pytest.raises(APIError) as ei:
+            parse_request(ChatCompletionRequest, body)
+        assert words in ei.value.message and "surrogate" not in ei.value.message
+
+
 def test_completion_request_refuses_unsupported_options():
     assert parse_request(CompletionRequest, b'{"prompt": "a"}').prompt == "a"
     for extra in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"suffix": "z"}):
