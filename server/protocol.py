@@ -292,8 +292,6 @@ def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
 
 _LONE_SURROGATE = ("a \\u escape in a string encodes half of a UTF-16 surrogate pair "
                    "(U+D800-U+DFFF) without the other half, which is no character")
-
-
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _POSITION = re.compile(r"line (\d+) column (\d+)")
 
