@@ -77,8 +77,9 @@ COST_CONTEXT_STEP = 16
 #: prompt moves it a third as fast as it moves the request's own gate (about 20 samples of memory).
 SHARED_ALPHA = 0.05
 
-#: In batched steps of three or more sequences a speculative arm must beat plain decoding by this
-#: factor (`batch_bar`; batches of two: PAIR_SPECULATION_BAR): the
+#: In batched steps of three or four sequences a speculative arm must beat plain decoding by this
+#: factor (`batch_bar`; batches of two: PAIR_SPECULATION_BAR, of five or more:
+#: WIDE_SPECULATION_BAR): the
 #: step's clock misses what speculation costs a batch beyond its own steps. Requests that speculate
 #: finish at different steps, so their successors' prompts are prefilled one at a time inside decode
 #: steps and the last requests run in smaller batches. Measured at 8 clients (avx512_bf16 EPYC,
@@ -93,6 +94,17 @@ BATCH_SPECULATION_BAR = 1.1
 #: (tree-4 38.3, the 1.1 bar 36.0), and in the next full concurrency run bastion was the best mode
 #: at 2 clients (1.06 of batched AR; docs/controller.md, "The bar of batches of two").
 PAIR_SPECULATION_BAR = 1.0
+
+#: The bar of batches of five or more (`batch_bar`): the more sequences, the more a request that
+#: finishes early costs (its successor's prompt is prefilled alone inside a decode step, and the
+#: last requests run in ever smaller batches). At the 1.1 bar the class gate of 5-8 sequences gave
+#: 10-35 % of its steps to free proposals that read 0.99-1.14 (a near-tie: sampled every MIN_PERIOD
+#: steps, and at once after each sample above the bar), and bastion ran at 0.89-0.95 of batched AR
+#: at 8 clients. Interleaved A/Bs at 8 clients (avx512_bf16 EPYC, float32; `scripts/batch_bar_ab.py
+#: 8 5 1.3 --class 8`, then 8 passes with `--tree 0`): a bar of 1.3 ran at 73.5 and 66.6 tok/s
+#: (medians) against 70.7 and 60.8 for 1.1 and 69.2 and 64.0 for batched AR; paired over the 13
+#: passes, 1.07 of the 1.1 bar (docs/controller.md, "A higher bar for five or more").
+WIDE_SPECULATION_BAR = 1.3
 
 #: The measured plain baseline (`plain_step_seconds`) is the median of the plain steps of the last
 #: PLAIN_MAX_AGE steps (single and batched counted together); when a batch size has had no plain
@@ -526,9 +538,11 @@ class BudgetController:
     @staticmethod
     def batch_bar(batch_size: int) -> float:
         """The factor by which drafting must beat a plain batched step of batch_size sequences
-        (>= 2): PAIR_SPECULATION_BAR for two, BATCH_SPECULATION_BAR for more (docs/method.md,
-        section 9)."""
-        return PAIR_SPECULATION_BAR if batch_size <= 2 else BATCH_SPECULATION_BAR
+        (>= 2): PAIR_SPECULATION_BAR for two, BATCH_SPECULATION_BAR for three or four,
+        WIDE_SPECULATION_BAR for more (docs/method.md, section 9)."""
+        if batch_size <= 2:
+            return PAIR_SPECULATION_BAR
+        return BATCH_SPECULATION_BAR if batch_size <= 4 else WIDE_SPECULATION_BAR
 
     def sequence_drafts(self, state: RequestGates | None, batch_size: int) -> bool:
         """In a batched step of batch_size sequences whose class gate drafts: True when this

@@ -1,8 +1,9 @@
-"""The bar of batches of two at one concurrency: bastion with the shipped controller against a copy
-whose batch-size class of two (and its requests' own gates in batches of two) uses another bar, with batched AR
-and a fixed tree beside them; modes interleaved per pass (order shifted), closed-loop clients as
-`bastion bench --concurrency` runs them, float32.
-Usage: python scripts/batch_bar_ab.py [CLIENTS] [PASSES] [BAR_OF_TWO] [--tree N]"""
+"""The bar of one batch-size class at one concurrency: bastion with the shipped controller against a
+copy whose class of CLASS sequences (batches of CLASS/2 + 1 .. CLASS; default 2), and its requests' own
+gates in batches of that class, use another bar, with batched AR and a fixed tree beside them; modes
+interleaved per pass (order shifted), closed-loop clients as `bastion bench --concurrency` runs them,
+float32.
+Usage: python scripts/batch_bar_ab.py [CLIENTS] [PASSES] [BAR] [--class CLASS] [--tree N]"""
 import argparse, copy, statistics
 import torch
 import controller.budget as B
@@ -17,7 +18,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("clients", nargs="?", type=int, default=2)
 ap.add_argument("passes", nargs="?", type=int, default=4)
 ap.add_argument("bar", nargs="?", type=float, default=1.1)
-ap.add_argument("--tree", type=int, default=4)
+ap.add_argument("--tree", type=int, default=4, help="0: no fixed tree")
+ap.add_argument("--class", dest="size_class", type=int, default=2)
 args = ap.parse_args()
 torch.set_num_threads(2)
 eng = build_engine(EngineSettings(mode="bastion", dtype="float32", threads=2), max_batch=8)
@@ -30,13 +32,16 @@ ctl.metrics = alt.metrics = metrics
 class Alt(B.BudgetController):
     @staticmethod
     def batch_bar(batch_size):
-        return args.bar if batch_size <= 2 else B.BATCH_SPECULATION_BAR
+        if 1 << (int(batch_size) - 1).bit_length() == args.size_class:
+            return args.bar
+        return B.BudgetController.batch_bar(batch_size)
 
 
 alt.__class__ = Alt
-engines = {"ar": Engine(eng.target, None, make_controller("ar"), backend=eng.backend),
-           f"tree-{args.tree}": Engine(eng.target, eng.drafter, make_controller("tree", args.tree), backend=eng.backend),
-           "bastion": eng, f"bar-{args.bar}": Engine(eng.target, eng.drafter, alt, backend=eng.backend)}
+engines = {"ar": Engine(eng.target, None, make_controller("ar"), backend=eng.backend)}
+if args.tree:  # --tree 0: no fixed tree
+    engines[f"tree-{args.tree}"] = Engine(eng.target, eng.drafter, make_controller("tree", args.tree), backend=eng.backend)
+engines.update({"bastion": eng, f"bar-{args.bar}": Engine(eng.target, eng.drafter, alt, backend=eng.backend)})
 prompts = [eng.chat_prompt_ids([{"role": "user", "content": p["prompt"]}])
            for ds in ("mt-bench", "humaneval", "math") for p in load_dataset(ds, 3)]
 for name, e in engines.items():

@@ -264,15 +264,17 @@ def test_batched_steps_feed_each_proposal_kind_its_own_surrogate_check():
 
 
 def test_batched_gates_need_drafting_to_beat_plain_decoding_by_the_bar():
-    """In batched steps of three or more plain decoding counts as BATCH_SPECULATION_BAR: a
+    """In batched steps of three or four plain decoding counts as BATCH_SPECULATION_BAR: a
     drafter measured at 1.05 x a plain batched step is left off, one at 1.2 x is used;
     single-sequence steps still take the near-tie (their gate counts plain decoding below 1)."""
     from controller.budget import BATCH_SPECULATION_BAR
 
-    assert BATCH_SPECULATION_BAR > 1.05
+    assert 1.05 < BATCH_SPECULATION_BAR < 1.2
     for gain, drafts in ((1.05, False), (1.2, True)):
         ctl = _controller()
-        for gate in (ctl.gate_for(8), ctl.sequence_state().batch):
+        state = ctl.sequence_state()
+        ctl.sequence_drafts(state, 4)
+        for gate in (ctl.gate_for(4), state.batch):
             for _ in range(6):
                 gate.record("draft", gain, 1.1)
             assert gate.value("plain") == pytest.approx(BATCH_SPECULATION_BAR)
@@ -282,29 +284,34 @@ def test_batched_gates_need_drafting_to_beat_plain_decoding_by_the_bar():
         assert ctl.gate.best() == "draft"
 
 
-def test_batches_of_two_count_plain_decoding_at_the_pair_bar():
-    """Batches of two judge drafting against PAIR_SPECULATION_BAR, larger ones against
-    BATCH_SPECULATION_BAR: a drafter measured at 1.05 x a plain batched step drafts in the class of
-    two and not in the class of four, and one request's own gate follows the size of each step."""
-    from controller.budget import BATCH_SPECULATION_BAR, PAIR_SPECULATION_BAR
+def test_each_batch_size_class_counts_plain_decoding_at_its_bar():
+    """Batches of two judge drafting against PAIR_SPECULATION_BAR, of three or four against
+    BATCH_SPECULATION_BAR, of five or more against WIDE_SPECULATION_BAR: a drafter measured at
+    1.05 x a plain batched step drafts only in the class of two, one at 1.2 x in the classes of
+    two and four, one at 1.4 x in every class; one request's own gate follows the size of each step."""
+    from controller.budget import BATCH_SPECULATION_BAR, PAIR_SPECULATION_BAR, WIDE_SPECULATION_BAR
 
-    assert PAIR_SPECULATION_BAR < 1.05 < BATCH_SPECULATION_BAR
+    assert PAIR_SPECULATION_BAR < 1.05 < BATCH_SPECULATION_BAR < 1.2 < WIDE_SPECULATION_BAR < 1.4
     ctl = _controller()
-    assert ctl.batch_bar(2) == PAIR_SPECULATION_BAR and ctl.batch_bar(3) == ctl.batch_bar(8) == BATCH_SPECULATION_BAR
-    pair, four = ctl.gate_for(2), ctl.gate_for(4)
-    assert pair.value("plain") == pytest.approx(PAIR_SPECULATION_BAR)
-    assert four.value("plain") == pytest.approx(BATCH_SPECULATION_BAR)
-    for gate in (pair, four):
-        for _ in range(6):
-            gate.record("draft", 1.05, 1.1)
-    assert (pair.best(), four.best()) == ("draft", "plain")
+    assert ctl.batch_bar(2) == PAIR_SPECULATION_BAR
+    assert ctl.batch_bar(3) == ctl.batch_bar(4) == BATCH_SPECULATION_BAR
+    assert ctl.batch_bar(5) == ctl.batch_bar(8) == ctl.batch_bar(16) == WIDE_SPECULATION_BAR
+    for gain, drafting in ((1.05, {2}), (1.2, {2, 4}), (1.4, {2, 4, 8})):
+        ctl = _controller()
+        gates = {k: ctl.gate_for(k) for k in (2, 4, 8)}
+        for k, bar in ((2, PAIR_SPECULATION_BAR), (4, BATCH_SPECULATION_BAR), (8, WIDE_SPECULATION_BAR)):
+            assert gates[k].value("plain") == pytest.approx(bar)
+            for _ in range(6):
+                gates[k].record("draft", gain, 1.1)
+        assert {k for k, g in gates.items() if g.best() == "draft"} == drafting, gain
     state = ctl.sequence_state()
     for _ in range(6):
-        state.batch.record("draft", 1.05, 1.1)
+        state.batch.record("draft", 1.2, 1.1)
     assert ctl.sequence_drafts(state, 2) and state.batch.best() == "draft"
-    ctl.sequence_drafts(state, 4)
+    assert ctl.sequence_drafts(state, 3)
+    ctl.sequence_drafts(state, 6)
     assert state.batch.best() == "plain"
-    assert ctl.sequence_drafts(state, 2)
+    assert ctl.sequence_drafts(state, 4)
 
 
 def test_plain_steps_of_a_busy_start_stop_setting_the_baseline():
