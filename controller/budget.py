@@ -331,6 +331,24 @@ class BudgetController:
         self._step_cap = self._free_cap
         return True
 
+    def free_empty(self, state: RequestGates | None = None) -> bool:
+        """A single sequence's step whose choice was the drafter's free proposal, which came back
+        empty: that arm's sample is known without running it (a plain step: gain 1, length 1), so
+        it is recorded now, on the request's gate and the shared gate as `record_step` would.
+        The step then takes the better of the full draft and plain decoding by the gate's values
+        (plain decoding counted with its margin, as when the gate picks): True when that is the
+        full draft (the engine runs the drafter and asks `policy_for_step` again; the gate's next
+        choice is the draft), False for a plain step (docs/method.md, section 8, "Empty free
+        proposals")."""
+        gate = self.solo_gate(state)
+        if gate.choice() != "cheap":
+            return False
+        self._record_arm(gate, False, False, 1.0, 1.0, also=self.gate)
+        draft = "draft" in gate.arms and gate.gain["draft"] is not None and \
+            gate.value("draft") > gate.value("plain")
+        gate.sample("draft" if draft else "plain")
+        return draft
+
     @staticmethod
     def _probing(gate: SpeculationGate) -> bool:
         """Is the gate's next step a sample of an arm that is not its best (or never tried)?"""

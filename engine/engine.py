@@ -128,7 +128,9 @@ class StepController(Protocol):
     Optional: `free_first(context_len, state) -> StoppingPolicy | None` and
     `free_suffices(tree, context_len, state) -> bool` let a controller have a single sequence's
     drafting step try the drafter's free proposal first and skip the drafter's pass when that
-    tree suffices (controller.budget.BudgetController; `Engine._free_instead`)."""
+    tree suffices (controller.budget.BudgetController; `Engine._free_instead`);
+    `free_empty(state) -> bool` lets it turn a single sequence's free-proposal step whose
+    proposal came back empty into a full draft (`Engine._draft_instead`)."""
 
     def policy_for_step(self, context_len: int, state: object = None) -> StoppingPolicy:
         """Stopping policy for a step whose target cache holds context_len tokens (state: the
@@ -473,6 +475,8 @@ class Engine:
                     proposals[r] = drafter.propose_cheap(seqs[r].drafter_state, seqs[r].root, depths[r])
                 except Exception as e:  # noqa: BLE001
                     failed[r] = e
+            if b == 1 and proposals.get(0) is None and not failed:
+                drafted = self._draft_instead(seqs[0], depths[0], alone, policies, proposals, failed)
         live = [r for r in range(b) if r not in failed]
         for r in live:
             if proposals.get(r) is not None and r not in trees:  # a free tree run instead is corrected already
@@ -503,6 +507,26 @@ class Engine:
             has = proposals.get(r) is not None
             plans[r] = (tree, drafted and r in proposals, has and not drafted)
         return plans
+
+    def _draft_instead(self, seq: Sequence, depth: int, state: object, policies: list, proposals: dict,
+                       failed: dict[int, Exception]) -> bool:
+        """A single sequence's step whose free proposal came back empty: True when the controller
+        turns it into a full draft instead (`free_empty`; controllers without it never do), with
+        policies[0] and proposals[0] then set for that draft. The drafter's own error goes to
+        failed[0] (False)."""
+        controller = self.controller
+        empty = getattr(controller, "free_empty", None)
+        if empty is None or not empty(state):
+            return False
+        policies[0] = controller.policy_for_step(seq.prefix_len, state)
+        if policies[0].max_nodes <= 1 or not controller.should_draft(1, state):
+            return False
+        try:
+            proposals[0] = self.drafter.propose(seq.drafter_state, seq.root, depth)
+        except Exception as e:  # noqa: BLE001 - this sequence's failure
+            failed[0] = e
+            return False
+        return True
 
     def _free_instead(self, seq: Sequence, depth: int, state: object, failed: dict[int, Exception]
                       ) -> tuple[Proposal, Tree] | None:

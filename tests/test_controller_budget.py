@@ -590,6 +590,35 @@ def test_the_draft_arm_tries_the_free_tree_first_and_is_credited_with_it():
     assert gate.best() == "plain" and ctl.free_first(c, state) is None
 
 
+def test_an_empty_free_proposal_records_the_cheap_arm_and_hands_the_step_to_the_better_of_the_rest():
+    """A free-proposal step whose proposal is empty is a plain step for that arm: `free_empty`
+    records it at gain 1 on the request's gate and the shared gate, and the step goes to the full
+    draft when the draft's average beats plain decoding's value (1 - margin), else to plain
+    decoding; the next choice is that arm, and `policy_for_step` prices the draft."""
+    ctl = make_controller()
+    c = 300
+    for draft_gain, expect in ((0.95, True), (0.6, False)):
+        state = ctl.sequence_state()
+        gate = ctl.solo_gate(state)
+        gate.record("draft", draft_gain, 1.3)
+        gate.record("cheap", 1.4, 1.05)
+        assert gate.choice() == "cheap"
+        cheap_n, shared_n = gate.samples["cheap"], ctl.gate.samples["cheap"]
+        assert ctl.free_empty(state) is expect
+        assert gate.samples["cheap"] == cheap_n + 1 and gate.last_gain["cheap"] == 1.0
+        assert ctl.gate.samples["cheap"] == shared_n + 1
+        assert gate.choice() == ("draft" if expect else "plain")
+        policy = ctl.policy_for_step(c, state)
+        assert (policy.max_nodes > 1) is expect
+        if expect:
+            assert policy._fixed == pytest.approx(ctl.t_draft + ctl.t_other)  # the drafter pass is priced
+    state = ctl.sequence_state()
+    ctl.solo_gate(state).record("draft", 1.5, 1.3)
+    ctl.solo_gate(state).record("cheap", 1.0, 1.05)
+    assert ctl.solo_gate(state).choice() == "draft"
+    assert ctl.free_empty(state) is False and ctl.solo_gate(state).samples["cheap"] == 1  # not a cheap step
+
+
 def test_a_sample_of_an_arm_runs_at_that_arms_best_measured_size():
     """An exploration step of an arm whose trees' best size is measured is capped there (and at
     probe_nodes) when the size caps are on: the gate then judges the arm where it runs best, not

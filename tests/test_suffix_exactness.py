@@ -204,3 +204,52 @@ def test_free_tree_run_in_the_drafts_place_skips_the_drafter_and_stays_exact(tar
     assert len(calls) == drafted_steps  # the drafter ran exactly on the steps that drafted
     # every free proposal built was corrected once, as free; every full draft once, as not free
     assert ctl.corrected.count(False) == drafted_steps and ctl.corrected.count(True) >= free_steps
+
+
+class _EmptyToDraft(_GateOff):
+    """A gate that keeps the full drafter off, except on a step whose free proposal came back
+    empty: there it asks for the full draft (what `BudgetController.free_empty` does when the
+    draft's average beats plain decoding)."""
+
+    def __init__(self, budget):
+        super().__init__(budget)
+        self.switch = False
+        self.empties = 0
+
+    def should_draft(self, batch_size=1, state=None):
+        return self.switch
+
+    def free_empty(self, state=None):
+        self.empties += 1
+        self.switch = True
+        return True
+
+    def observe(self, stats, tree, state=None):
+        self.switch = False
+
+
+def test_an_empty_free_proposal_turns_the_step_into_a_full_draft_and_stays_exact(target_f32, random_drafter,
+                                                                                 references):
+    """Where the suffix index has nothing to propose, a free-proposal step runs the full drafter
+    instead (corrected as a full draft); where it has a match, the free tree is verified. The
+    output equals AR either way, and no step is left plain while a proposal could be made."""
+    calls = []
+
+    class Counting(HybridDrafter):
+        def propose_batch(self, *a, **kw):
+            calls.append(1)
+            return super().propose_batch(*a, **kw)
+
+    ctl = _EmptyToDraft(16)
+    eng = Engine(target_f32, Counting(random_drafter, SuffixDrafter()), ctl)
+    drafted = cheap = 0
+    for ids, ref in references:
+        r = eng.generate(ids, SamplingParams(max_tokens=MAX_TOKENS))
+        assert r.token_ids == ref
+        for i, s in enumerate(r.steps):
+            if i < len(r.steps) - 1:  # the last step may have room for one token only
+                assert s.drafted != s.cheap and s.tree_size > 1
+            drafted += s.drafted
+            cheap += s.cheap
+    assert drafted == len(calls) == ctl.empties > 0 and cheap > 0
+    assert ctl.corrected.count(False) == drafted  # the drafts reached the full drafter's calibrator
