@@ -341,7 +341,7 @@ class BudgetController:
         choice is the draft), False for a plain step (docs/method.md, section 8, "Empty free
         proposals")."""
         gate = self.solo_gate(state)
-        if gate.choice() != "cheap":
+        if gate.forced is not None or gate.choice() != "cheap":  # a forced arm runs as forced (`prime_gate`)
             return False
         self._record_arm(gate, False, False, 1.0, 1.0, also=self.gate)
         draft = "draft" in gate.arms and gate.gain["draft"] is not None and \

@@ -617,6 +617,8 @@ def test_an_empty_free_proposal_records_the_cheap_arm_and_hands_the_step_to_the_
     ctl.solo_gate(state).record("cheap", 1.0, 1.05)
     assert ctl.solo_gate(state).choice() == "draft"
     assert ctl.free_empty(state) is False and ctl.solo_gate(state).samples["cheap"] == 1  # not a cheap step
+    ctl.solo_gate(state).force("cheap")  # the start-up prime: a forced arm runs as forced
+    assert ctl.free_empty(state) is False and ctl.solo_gate(state).samples["cheap"] == 1
 
 
 def test_a_sample_of_an_arm_runs_at_that_arms_best_measured_size():
