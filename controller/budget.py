@@ -122,6 +122,14 @@ PLAIN_REFRESH = 48
 PROBE_COST = 1.5
 #: ... and may always grow this many nodes.
 PROBE_MIN_NODES = 8
+#: ... and grows at least this many (when the proposal has them), whatever the latency model says:
+#: a sample has to measure a tree. After a calibration beside a second CPU-heavy process, the
+#: model priced C(2) at twice C(1) (c = 64: 186 against 89 ms; quiet, both cost about 33-39 ms),
+#: so every tree stopped at its root. Samples of the draft arm then paid a drafter pass for one
+#: token, the free proposals' steps were plain steps, and with no tree timed the profiler could
+#: not see the wrong shape: four whole requests of the float32 matrix's busy run decoded plain
+#: (docs/controller.md, "Samples that verify a tree").
+PROBE_FLOOR_NODES = 4
 
 
 class BudgetController:
@@ -271,7 +279,8 @@ class BudgetController:
         is the drafter's free proposal (which costs no drafter pass). state: the request's
         `sequence_state` (its own gate decides; None: the shared gate). A step that samples an
         arm which is not the gate's best (exploration) grows at most `probe_nodes` nodes, and no
-        more than that arm's size of best measured throughput once one is known; a step of its
+        more than that arm's size of best measured throughput once one is known, and at least
+        PROBE_FLOOR_NODES (a sample measures a tree, whatever the model prices); a step of its
         best arm at most that size (`sizes`, controller/sizing.py). When the choice is plain
         decoding the policy allows one node (nothing is drafted) and no cost table is computed."""
         st = self.settings
@@ -283,17 +292,18 @@ class BudgetController:
             return _PLAIN_POLICY
         draft_s = self.t_draft if choice == "draft" else 0.0
         costs = self.verify_costs(context_len)
+        floor = st.min_nodes
         if self._probing(gate):
             # A sample judges the arm where it runs best: at its measured best size once known.
             best = self.sizes[choice].best(costs, draft_s + self.t_other, st.max_nodes) if self.size_caps else None
             max_nodes = self.probe_nodes(costs) if best is None else min(best, self.probe_nodes(costs))
+            floor = max(floor, PROBE_FLOOR_NODES)
         elif self.size_caps:
             max_nodes = self.sizes[choice].cap(costs, draft_s + self.t_other, st.max_nodes)
         else:
             max_nodes = st.max_nodes
         self._step_cap = max_nodes
-        return AdaptivePolicy(costs, draft_s + self.t_other, min(st.min_nodes, max_nodes), max_nodes, st.bucket,
-                              st.top_k)
+        return AdaptivePolicy(costs, draft_s + self.t_other, min(floor, max_nodes), max_nodes, st.bucket, st.top_k)
 
     def free_first(self, context_len: int, state: RequestGates | None = None) -> AdaptivePolicy | None:
         """On a single sequence's step whose gate's best arm is the full draft (not a sample of

@@ -297,9 +297,9 @@ def test_running_estimates_and_policy_for_step():
     assert ctl.t_draft == pytest.approx(0.01) and ctl.t_other == pytest.approx(0.002)
     pol = ctl.policy_for_step(500)
     # the free-proposal arm is untried, so it is the next choice: priced without the drafter
-    # pass, and a probe (a small tree)
+    # pass, and a probe (a small tree, at least PROBE_FLOOR_NODES of it)
     assert ctl.gate.choice() == "cheap"
-    assert pol.max_nodes == ctl.probe_nodes(ctl.verify_costs(500)) < 256 and pol.top_k == 64 and pol.min_nodes == 1
+    assert pol.max_nodes == ctl.probe_nodes(ctl.verify_costs(500)) < 256 and pol.top_k == 64 and pol.min_nodes == 4
     c0 = 500 - 500 % COST_CONTEXT_STEP  # the table is priced at the context rounded down
     assert pol.cost(7) == pytest.approx(ctl.model.predict(7, c0)) != pytest.approx(ctl.model.predict(7, c0 + 32))
     assert pol.theta(10, 2.0) == pytest.approx(2.0 / (0.002 + ctl.model.predict(10, c0)))
@@ -554,6 +554,38 @@ def test_exploration_steps_grow_small_trees_the_best_arm_full_ones():
     # A flat cost curve (a GPU's) lets probes grow as far as 1.5 C(1) reaches.
     flat = [0.0] + [0.01 + 1e-6 * n for n in range(1, 257)]
     assert ctl.probe_nodes(flat) == 256
+
+
+def test_a_sample_verifies_a_tree_even_where_the_model_prices_every_node_above_its_worth():
+    """A latency model that prices C(2) at twice C(1) (a calibration beside a second CPU-heavy
+    process) stops the best arm's trees at the root; a sample of an arm still verifies
+    PROBE_FLOOR_NODES nodes, so its gain and the cost of a tree are measured."""
+    import torch
+    from controller.budget import PROBE_FLOOR_NODES
+    from drafting.proposal import Marginals
+    from engine.tree import build_tree
+
+    ctl = make_controller()
+    c = 300
+    steep = [0.0, 0.03] + [0.06 + 1e-4 * n for n in range(2, 257)]
+    ctl.verify_costs = lambda context_len: steep
+    depth = 6
+    marginals = Marginals(torch.arange(depth * 4).reshape(depth, 4),
+                          torch.log(torch.tensor([[0.7, 0.2, 0.05, 0.05]] * depth)))
+    state = ctl.sequence_state()
+    gate = ctl.solo_gate(state)
+    gate.record("draft", 1.5, 1.3)
+    gate.record("cheap", 0.9, 1.05)
+    assert gate.choice() == gate.best() == "draft"
+    best = ctl.policy_for_step(c, state)
+    assert best.min_nodes == 1 and build_tree(0, marginals, best, depth).size == 1
+    for _ in range(3):
+        gate.record("draft", 0.5, 1.3)
+    gate.sample("draft")
+    assert gate.choice() == "draft" and gate.best() != "draft"  # a sample
+    probe = ctl.policy_for_step(c, state)
+    assert probe.min_nodes == PROBE_FLOOR_NODES
+    assert PROBE_FLOOR_NODES <= build_tree(0, marginals, probe, depth).size <= probe.max_nodes
 
 
 def test_the_draft_arm_tries_the_free_tree_first_and_is_credited_with_it():
