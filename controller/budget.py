@@ -128,7 +128,7 @@ PROBE_MIN_NODES = 8
 #: so every tree stopped at its root. Samples of the draft arm then paid a drafter pass for one
 #: token, the free proposals' steps were plain steps, and with no tree timed the profiler could
 #: not see the wrong shape: four whole requests of the float32 matrix's busy run decoded plain
-#: (docs/controller.md, "Samples that verify a tree").
+#: (docs/controller.md, "Empty free proposals go to the draft", "Samples that verify a tree").
 PROBE_FLOOR_NODES = 4
 
 
