@@ -353,11 +353,10 @@ class BudgetController:
         gate = self.solo_gate(state)
         if gate.forced is not None or gate.choice() != "cheap":  # a forced arm runs as forced (`prime_gate`)
             return False
-        self._record_arm(gate, False, False, 1.0, 1.0, also=self.gate)
-        draft = "draft" in gate.arms and gate.gain["draft"] is not None and \
-            gate.value("draft") > gate.value("plain")
-        gate.sample("draft" if draft else "plain")
-        return draft
+        self._record_arm(gate, False, False, 1.0, 1.0, also=self.gate)  # the cheap arm's sample
+        arm = gate.best(without="cheap")
+        gate.sample(arm)
+        return arm == "draft"
 
     @staticmethod
     def _probing(gate: SpeculationGate) -> bool:
@@ -411,7 +410,7 @@ class BudgetController:
         batch_size. A new class starts from the averages of the largest smaller class that exists."""
         if batch_size <= 1:
             return self.gate
-        key = 1 << (int(batch_size) - 1).bit_length()
+        key = self.size_class(batch_size)
         gate = self._batch_gates.get(key)
         if gate is None:
             gate = self._batch_gates[key] = self._batch_gate(self._gate_proto[2], self.batch_bar(key))
@@ -562,6 +561,11 @@ class BudgetController:
         batched bar, and refits that stall")."""
         alpha, every, _ = self._gate_proto
         return SpeculationGate(alpha, every, arms, slow_alpha=alpha, plain_margin=1.0 - bar)
+
+    @staticmethod
+    def size_class(batch_size: int) -> int:
+        """The batch-size class of a step of batch_size (>= 2) sequences: the power of two at or above it."""
+        return 1 << (int(batch_size) - 1).bit_length()
 
     @staticmethod
     def batch_bar(batch_size: int) -> float:

@@ -126,11 +126,13 @@ class SpeculationGate:
         """What `arm` counts as when arms are compared: its decision average, 1 - plain_margin for plain."""
         return 1.0 - self.plain_margin if arm == "plain" else self.gain[arm]
 
-    def best(self) -> str:
-        """The arm of the highest `value` (untried arms do not count; ties go to plain, then draft)."""
-        known = sorted((a for a in self.arms if self.gain[a] is not None), key=lambda a: a != "plain")
+    def best(self, without: str | None = None) -> str:
+        """The arm of the highest `value` (untried arms do not count; ties go to plain, then draft);
+        without: an arm left out of the comparison."""
+        arms = [a for a in self.arms if a != without]
+        known = sorted((a for a in arms if self.gain[a] is not None), key=lambda a: a != "plain")
         if not known:
-            return self.arms[0]
+            return arms[0]
         return max(known, key=self.value)
 
     def choice(self) -> str:

@@ -518,8 +518,8 @@ class Engine:
         empty = getattr(controller, "free_empty", None)
         if empty is None or not empty(state):
             return False
-        policies[0] = controller.policy_for_step(seq.prefix_len, state)
-        if policies[0].max_nodes <= 1 or not controller.should_draft(1, state):
+        policies[0] = controller.policy_for_step(seq.prefix_len, state)  # may turn the step plain (a refresh)
+        if not controller.should_draft(1, state):
             return False
         try:
             proposals[0] = self.drafter.propose(seq.drafter_state, seq.root, depth)

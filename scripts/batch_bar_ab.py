@@ -32,7 +32,7 @@ ctl.metrics = alt.metrics = metrics
 class Alt(B.BudgetController):
     @staticmethod
     def batch_bar(batch_size):
-        if 1 << (int(batch_size) - 1).bit_length() == args.size_class:
+        if B.BudgetController.size_class(batch_size) == args.size_class:
             return args.bar
         return B.BudgetController.batch_bar(batch_size)
 

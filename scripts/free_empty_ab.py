@@ -39,9 +39,8 @@ for spec in args.sets:
                 for p in load_dataset(name, int(n or 3))]
 names = list(engines)
 tot = collections.defaultdict(lambda: [0, 0.0])  # (pass, dataset, mode) -> tokens, seconds
-for k, (_, ids) in enumerate(prompts[:1]):
-    for e in engines.values():  # warm-up
-        e.generate(ids, SamplingParams(max_tokens=16))
+for e in engines.values():  # warm-up
+    e.generate(prompts[0][1], SamplingParams(max_tokens=16))
 i = 0
 for rep in range(args.passes):
     for name, ids in prompts:
