@@ -11,7 +11,7 @@ held constant outside them. It absorbs what two lines cannot: on a 2-core Xeon, 
 GEMM costs the same for 1 to 3 rows and then jumps (4 rows of a 576x1536 matmul cost 2x one
 row), so a forward of s = 1 or 2 tokens is ~35 % below the best max-of-two-lines fit while
 s >= 8 follows it (docs/controller.md). The residual is fitted after the four parameters,
-as the median log ratio measured / C of the points nearest each knot.
+as the median log ratio measured / C of the points nearest each knot, kept non-decreasing in s.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import isotonic_regression, least_squares
 
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
@@ -248,27 +248,46 @@ def fit_params(model_shape: ModelShape, ceilings: Ceilings, s, c, seconds,
     return LatencyParams(*(float(v) for v in best))
 
 
+def nearest_knot(s, knots) -> np.ndarray:
+    """[N] index into `knots` (increasing s values) of the knot nearest each of s ([N] tokens) in
+    log2 s: the points a knot's residual is fitted from (`fit_residual`)."""
+    s = np.atleast_1d(np.asarray(s, dtype=np.float64))
+    kn = np.asarray(knots, dtype=np.float64)
+    return np.abs(np.log2(s)[:, None] - np.log2(kn)[None, :]).argmin(axis=1)
+
+
 def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float, float], ...]:
     """Per-knot median log(measured / C) of the points nearest each knot in log2 s, smoothed by a
-    three-knot median where one knot spikes and bounded to |log r| <= log RESIDUAL_BOUND.
+    three-knot median where one knot spikes, made non-decreasing in s and bounded to
+    |log r| <= log RESIDUAL_BOUND.
+
+    Non-decreasing: C(s_knot, c) at the points' median context must not fall from one knot to
+    the next (a forward of more tokens does not cost less). Where the medians say it does, the
+    knots that disagree are pooled into their point-weighted mean (isotonic regression,
+    scipy.optimize.isotonic_regression). An inversion comes from timings taken under different
+    loads, for example plain steps of a busy start-up against trees timed later on a quiet
+    machine; uncorrected, `LatencyModel.verify_costs` (non-decreasing by construction) priced
+    every tree up to the inverted knot at C(1), and trees of 30-40 nodes followed.
 
     model: the fitted roofline (its own residual is ignored); s, c, seconds: [N] points;
     knots: s values. Knots without a point are dropped. Returns ((s_knot, log r), ...).
     """
     s = np.asarray(s, dtype=np.float64)
     y = np.asarray(seconds, dtype=np.float64)
-    base = model.roofline().predict(s, np.asarray(c, dtype=np.float64))
-    logr = np.log(y / base)
+    c = np.broadcast_to(np.asarray(c, dtype=np.float64), s.shape)
+    roof = model.roofline()
+    logr = np.log(y / roof.predict(s, c))
     kn = np.array(sorted(set(float(k) for k in knots)))
     if kn.size == 0:
         return ()
-    nearest = np.abs(np.log2(s)[:, None] - np.log2(kn)[None, :]).argmin(axis=1)
-    ks, vals = [], []
+    nearest = nearest_knot(s, kn)
+    ks, vals, counts = [], [], []
     for j, k in enumerate(kn):
         sel = nearest == j
         if sel.any():
             ks.append(float(k))
             vals.append(float(np.median(logr[sel])))
+            counts.append(int(sel.sum()))
     # Smooth and bounded: an interior knot more than RESIDUAL_SPIKE above or below both its
     # neighbours (a spike from spoiled timings) takes their three-knot median, a step of the
     # kernels stays; r stays in [1 / RESIDUAL_BOUND, RESIDUAL_BOUND].
@@ -278,6 +297,10 @@ def fit_residual(model: LatencyModel, s, c, seconds, knots) -> tuple[tuple[float
         lo, hi = vals[i] - vals[i - 1], vals[i] - vals[i + 1]
         if (lo > spike and hi > spike) or (lo < -spike and hi < -spike):
             smooth[i] = float(np.median(vals[i - 1:i + 2]))
+    if len(ks) > 1:
+        log_base = np.log(roof.predict(np.array(ks), np.full(len(ks), float(np.median(c)))))
+        mono = isotonic_regression(log_base + np.array(smooth), weights=np.array(counts, dtype=np.float64)).x
+        smooth = (mono - log_base).tolist()
     lim = math.log(RESIDUAL_BOUND)
     return tuple((k, min(max(v, -lim), lim)) for k, v in zip(ks, smooth))
 

@@ -4,7 +4,8 @@ Every step's verify time is compared with the model's prediction made before the
 When the mean absolute percentage error over the last `window` steps exceeds `threshold`
 and the model is biased (the median of measured / predicted is off 1 by more than
 `bias_threshold`), the four roofline parameters are refitted from the recent steps plus the
-calibration grid, starting from the current ones, and the new model replaces the old one.
+calibration grid's points at the sizes the steps have not measured yet (`anchor_points`),
+starting from the current ones, and the new model replaces the old one.
 
 The refit runs inline, between two steps (~15 ms), not in a background thread: a thread fitting
 in scipy held the interpreter lock while the step's forward, which dispatches hundreds of ops
@@ -40,7 +41,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from controller.latency_model import LatencyModel, fit_model, mape
+from controller.latency_model import LatencyModel, fit_model, mape, nearest_knot
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ LEVEL_WINDOW = 32
 
 #: Steps of a kind (plain, s = 1; trees, s > 1) before its own median ratio counts.
 PLAIN_MIN = 4
+
+#: Recent steps nearest a residual knot that supersede the calibration's points there in a refit
+#: (`OnlineProfiler.anchor_points`): 8 steps' median is within ~5 % of the size's time at the
+#: ~10 % per-step jitter of a VM, closer than a calibration point timed beside other work.
+MEASURED_KNOT = 8
 
 
 @dataclass(frozen=True)
@@ -101,10 +107,10 @@ class OnlineProfiler:
     """Owns the current LatencyModel and keeps it honest.
 
     model: the calibrated starting model. calibration_points: [(s, c, seconds)] from
-    calibration, re-used (at half weight) in every refit to anchor the shape of the curve;
-    their level is re-anchored first: scaled by the median ratio of the recent steps' times to
-    the calibrated model's predictions, since a calibration taken beside another process is
-    uniformly slow and its shape, not its level, is what the steps cannot show.
+    calibration, re-used (at half weight) in every refit to anchor the shape of the curve at the
+    sizes the steps have not measured (`anchor_points`); their level is re-anchored first:
+    scaled by the median ratio of the recent steps' times to the calibrated model's
+    predictions, since the steps, not the calibration, show the machine's speed now.
     history: step records kept for refits. window: steps the drift error is measured over
     (and the minimum number of new steps between refits). threshold: drift MAPE (fraction)
     that triggers a refit, when the model is also biased by more than bias_threshold (a
@@ -224,14 +230,33 @@ class OnlineProfiler:
         """MAPE (fraction) of the predictions made for the last n (default `window`) steps."""
         return self.recent_error(n)[0]
 
-    def _refit(self, recent: list[StepRecord], err_before: float) -> None:
-        old = self.model
-        pts = [(r.s, r.c, r.verify_s, 1.0) for r in recent]
+    def anchor_points(self, recent: Sequence[StepRecord]) -> list[tuple[int, int, float]]:
+        """The calibration points a refit on `recent` keeps: [(s, c, seconds)], re-anchored to the
+        recent steps' level (their median measured / calibrated-model ratio), without those nearest
+        a residual knot (`nearest_knot`) that MEASURED_KNOT or more recent steps already measure.
+
+        Where steps measure a size, the calibration's timing of it is superseded: a calibration
+        taken beside another process has the wrong shape, not only the wrong level, at small s
+        (C(2) = 2.5 C(1) where quiet steps measure 1.05). Kept, its points held the refitted
+        shape there, every tree looked dear, and trees of 2-3 nodes ran at 0.8x tree-8 for the
+        rest of the run (docs/controller.md, "Steps supersede the calibration")."""
+        if not self.calibration_points:
+            return []
         level = 1.0
         if recent:
             base = self.calibrated.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
             level = float(np.median(np.array([r.verify_s for r in recent]) / base))
-        pts += [(s, c, t * level, 2.0) for s, c, t in self.calibration_points]
+        knots = self.model.knots
+        if not knots or not recent:
+            return [(s, c, t * level) for s, c, t in self.calibration_points]
+        measured = np.bincount(nearest_knot([r.s for r in recent], knots), minlength=len(knots))
+        near = nearest_knot([p[0] for p in self.calibration_points], knots)
+        return [(s, c, t * level) for (s, c, t), j in zip(self.calibration_points, near) if measured[j] < MEASURED_KNOT]
+
+    def _refit(self, recent: list[StepRecord], err_before: float) -> None:
+        old = self.model
+        pts = [(r.s, r.c, r.verify_s, 1.0) for r in recent]
+        pts += [(s, c, t, 2.0) for s, c, t in self.anchor_points(recent)]
         arr = np.asarray(pts, dtype=np.float64)
         try:
             new = fit_model(old.shape, old.ceilings, arr[:, 0], arr[:, 1], arr[:, 2], sigma_scale=arr[:, 3],
