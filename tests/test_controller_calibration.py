@@ -317,6 +317,33 @@ def test_plain_roofline_has_no_residual_and_fit_model_can_skip_it():
     assert np.allclose(m.residual_factor(GRID.s_values), 1.0, atol=0.02)
 
 
+def test_a_residual_whose_medians_fall_with_s_is_pooled_into_a_non_decreasing_curve():
+    """Plain steps timed under load (s = 1, 1.5x slow) beside trees timed on a quiet machine
+    (s = 2..64): the knots' medians say C falls from s = 1 to s = 2, which would price every tree
+    up to that size at C(1). The fitted residual pools the disagreeing knots into their
+    point-weighted mean, so C is non-decreasing over the knots; the knot that already rises
+    (s = 64, 3.7 C(1) on this device) is kept as it is."""
+    from controller.latency_model import fit_residual
+
+    truth = LatencyModel(SHAPE, CEIL, TRUE)
+    knots = (1, 2, 4, 8, 64)
+    s = np.repeat(knots, [30, 10, 10, 10, 10]).astype(float)
+    c = np.full_like(s, 512.0)
+    y = truth.predict(s, c) * np.where(s == 1, 1.5, 1.0)
+    res = dict(fit_residual(truth, s, c, y, knots))
+    model = LatencyModel(SHAPE, CEIL, TRUE, tuple(res.items()))
+    cost = model.predict(np.array(knots, dtype=float), np.full(5, 512.0))
+    assert np.all(np.diff(cost) >= -1e-12 * cost[:-1])
+    assert res[64.0] == pytest.approx(0.0, abs=1e-9)
+    # the pooled knots share one cost: the point-weighted mean of their log times (half the
+    # points at 1.5 C(1), half at about C(1)), so between the two kinds' times
+    assert cost[0] == pytest.approx(cost[3], rel=1e-9)
+    assert 1.15 * truth.predict(1, 512) < cost[0] < 1.3 * truth.predict(1, 512)
+    # on timings that rise with s, the residual is the knots' own medians (all 0 here)
+    same = fit_residual(truth, s, c, truth.predict(s, c), knots)
+    assert [v for _, v in same] == pytest.approx([0.0] * 5, abs=1e-9)
+
+
 def test_noisy_calibration_is_used_but_not_cached_and_warns(tmp_path, caplog):
     """Timings from a machine that was busy (random 0.1x-10x factors): the fit is returned
     with a warning and no cache file, so the next start calibrates again; a residual that

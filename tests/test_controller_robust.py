@@ -156,6 +156,43 @@ def test_online_repair_of_a_calibration_taken_on_a_busy_machine(tmp_path):
     assert throughput(chosen, c, marg) >= 0.9 * best
 
 
+def _busy_shape_profiler():
+    """An OnlineProfiler started from a calibration beside another process that is wrong in
+    shape, not only in level (1 token 2.5x slow, 2-4 tokens 6x, 8 tokens 4x, 16 or more 2.5x:
+    C(4) looks 6 times C(1) where the quiet machine takes 1.3), fed 240 quiet steps that
+    alternate plain steps and 4-node trees."""
+    from controller.latency_model import fit_model
+    from controller.profiler import OnlineProfiler
+
+    slow = {1: 2.5, 2: 6.0, 4: 6.0, 8: 4.0}
+    pts = [(s, c, float(true_seconds(s, c)) * slow.get(s, 2.5)) for s, c in cal.CPU_GRID.points()]
+    arr = np.array(pts)
+    model = fit_model(SHAPE, CEIL, arr[:, 0], arr[:, 1], arr[:, 2], knots=cal.CPU_GRID.s_values)
+    prof = OnlineProfiler(model, pts)
+    rng = np.random.default_rng(8)
+    for i in range(240):
+        s, c = (1 if i % 2 else 4), 300 + i
+        t = float(true_seconds(s, c)) * (1 + 0.03 * rng.standard_normal())
+        prof.record(s, c, t, prof.model.predict(s, c), T_DRAFT if s > 1 else 0.0, T_OTHER, drafted=s > 1)
+    return prof
+
+
+def test_steps_replace_a_busy_calibrations_wrong_shape_at_the_sizes_they_measure():
+    """After a calibration wrong in shape, refits take the steps' own timings at the sizes they
+    measure (1 and 4 here) instead of the calibration's points (`anchor_points`): the model's
+    C(4) / C(1) ends within 10 % of the truth and the online error under 15 %, and the
+    calibration points the refits keep are those of the sizes no step measured."""
+    c = 500
+    truth = float(true_seconds(4, c) / true_seconds(1, c))
+    prof = _busy_shape_profiler()
+    assert prof.calibrated.predict(4, c) / prof.calibrated.predict(1, c) > 2 * truth  # wrong at the start
+    assert prof.refits >= 1
+    assert prof.model.predict(4, c) / prof.model.predict(1, c) == pytest.approx(truth, rel=0.1)
+    assert prof.recent_mape() < 0.15
+    kept = prof.anchor_points(list(prof.records))
+    assert kept and not any(s in (1, 4) for s, _, _ in kept)
+
+
 def test_after_a_busy_calibration_a_drafter_that_does_not_pay_is_still_turned_off(tmp_path):
     """The same busy calibration over-prices C(1) (so, until plain steps are measured, drafted
     steps look better than they are); with a drafter as confident as before but right only
