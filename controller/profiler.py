@@ -238,8 +238,8 @@ class OnlineProfiler:
         Where steps measure a size, the calibration's timing of it is superseded: a calibration
         taken beside another process has the wrong shape, not only the wrong level, at small s
         (C(2) = 2.5 C(1) where quiet steps measure 1.05). Kept, its points held the refitted
-        shape there, every tree looked dear, and trees of 2-3 nodes ran at 0.8x tree-8 for the
-        rest of the run (docs/controller.md, "Steps supersede the calibration")."""
+        shape there, every tree looked dear: in a replay, trees stayed at 2-6 nodes and HumanEval ran
+        at 0.86 of tree-8 (docs/controller.md, "Steps supersede the calibration")."""
         if not self.calibration_points:
             return []
         level = 1.0
