@@ -12,8 +12,9 @@ from controller import calibration as cal
 from controller.budget import BudgetController
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
-from controller.latency_model import LatencyModel, LatencyParams, mape
+from controller.latency_model import LatencyModel, LatencyParams, fit_model, mape
 from controller.policy import PolicySettings
+from controller.profiler import OnlineProfiler
 from controller.surrogate import depth_mass
 from drafting.proposal import Marginals
 from engine.tree import FixedBudgetPolicy, build_tree
@@ -159,11 +160,8 @@ def test_online_repair_of_a_calibration_taken_on_a_busy_machine(tmp_path):
 def _busy_shape_profiler():
     """An OnlineProfiler started from a calibration beside another process that is wrong in
     shape, not only in level (1 token 2.5x slow, 2-4 tokens 6x, 8 tokens 4x, 16 or more 2.5x:
-    C(4) looks 6 times C(1) where the quiet machine takes 1.3), fed 240 quiet steps that
+    C(4) looks 3 times C(1) where the quiet machine takes 1.3), fed 240 quiet steps that
     alternate plain steps and 4-node trees."""
-    from controller.latency_model import fit_model
-    from controller.profiler import OnlineProfiler
-
     slow = {1: 2.5, 2: 6.0, 4: 6.0, 8: 4.0}
     pts = [(s, c, float(true_seconds(s, c)) * slow.get(s, 2.5)) for s, c in cal.CPU_GRID.points()]
     arr = np.array(pts)
