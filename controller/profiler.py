@@ -118,6 +118,8 @@ class OnlineProfiler:
     on_refit(model, mape_before, mape_after): called after a refit's swap.
     on_rescale(model, factor): called after the level was rescaled by factor.
     level_window: steps whose median ratio sets the level between refits (0: no rescales).
+    measured_knot: recent steps at a residual knot that supersede the calibration's points there
+    (`anchor_points`; math.inf keeps them all).
     """
 
     def __init__(self, model: LatencyModel, calibration_points: Sequence[tuple[int, int, float]] = (),
@@ -125,7 +127,7 @@ class OnlineProfiler:
                  on_refit: Callable[[LatencyModel, float, float], None] | None = None,
                  bias_threshold: float | None = None,
                  on_rescale: Callable[[LatencyModel, float], None] | None = None,
-                 level_window: int = LEVEL_WINDOW):
+                 level_window: int = LEVEL_WINDOW, measured_knot: float = MEASURED_KNOT):
         self.model = model
         self.calibrated = model
         self.calibration_points = list(calibration_points)
@@ -141,6 +143,7 @@ class OnlineProfiler:
         self.refits = 0
         self.rescales = 0
         self.level_window = level_window
+        self.measured_knot = measured_knot
         self._steps = 0
         self.refit_failures = 0
         self._since_refit = 0
@@ -233,25 +236,24 @@ class OnlineProfiler:
     def anchor_points(self, recent: Sequence[StepRecord]) -> list[tuple[int, int, float]]:
         """The calibration points a refit on `recent` keeps: [(s, c, seconds)], re-anchored to the
         recent steps' level (their median measured / calibrated-model ratio), without those nearest
-        a residual knot (`nearest_knot`) that MEASURED_KNOT or more recent steps already measure.
+        a residual knot (`nearest_knot`) that `measured_knot` or more recent steps already measure.
 
         Where steps measure a size, the calibration's timing of it is superseded: a calibration
         taken beside another process has the wrong shape, not only the wrong level, at small s
         (C(2) = 2.5 C(1) where quiet steps measure 1.05). Kept, its points held the refitted
         shape there, every tree looked dear: in a replay, trees stayed at 2-6 nodes and HumanEval ran
         at 0.86 of tree-8 (docs/controller.md, "Steps supersede the calibration")."""
-        if not self.calibration_points:
-            return []
-        level = 1.0
-        if recent:
-            base = self.calibrated.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
-            level = float(np.median(np.array([r.verify_s for r in recent]) / base))
+        if not recent:
+            return list(self.calibration_points)
+        base = self.calibrated.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
+        level = float(np.median(np.array([r.verify_s for r in recent]) / base))
+        points = [(s, c, t * level) for s, c, t in self.calibration_points]
         knots = self.model.knots
-        if not knots or not recent:
-            return [(s, c, t * level) for s, c, t in self.calibration_points]
+        if not knots or not points:
+            return points
         measured = np.bincount(nearest_knot([r.s for r in recent], knots), minlength=len(knots))
-        near = nearest_knot([p[0] for p in self.calibration_points], knots)
-        return [(s, c, t * level) for (s, c, t), j in zip(self.calibration_points, near) if measured[j] < MEASURED_KNOT]
+        near = nearest_knot([p[0] for p in points], knots)
+        return [p for p, j in zip(points, near) if measured[j] < self.measured_knot]
 
     def _refit(self, recent: list[StepRecord], err_before: float) -> None:
         old = self.model

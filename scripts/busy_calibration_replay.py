@@ -12,6 +12,7 @@ Usage: python scripts/busy_calibration_replay.py DTYPE RESULTS_JSON [DATASET:N .
 """
 import collections
 import json
+import math
 import subprocess
 import sys
 
@@ -23,7 +24,6 @@ from bastion.settings import EngineSettings
 from bench.datasets import load_dataset
 from controller.budget import BudgetController
 from controller.calibration import CalibrationResult
-from controller.profiler import OnlineProfiler
 from engine.engine import Engine, make_controller
 from engine.sampling import SamplingParams
 
@@ -36,20 +36,11 @@ p = res.model().predict(np.array([1, 2, 4, 8, 16, 32]), np.array([256] * 6))
 print("replayed calibration: spread %.2f, C(s) / C(1) at s = 1..32: %s" % (res.spread, " ".join("%.2f" % x for x in p / p[0])))
 
 
-class Kept(OnlineProfiler):
-    """Refits keep every calibration point (re-anchored to the steps' level)."""
-
-    def anchor_points(self, recent):
-        base = self.calibrated.predict(np.array([r.s for r in recent]), np.array([r.c for r in recent]))
-        level = float(np.median(np.array([r.verify_s for r in recent]) / base)) if recent else 1.0
-        return [(s, c, t * level) for s, c, t in self.calibration_points]
-
-
 def controller(variant):
     c = BudgetController.from_calibration(res, device="cpu", max_depth=eng.drafter.max_depth, surrogate_correction=True)
     c.calibration = res
     if variant == "kept":
-        c.profiler.__class__ = Kept
+        c.profiler.measured_knot = math.inf
     return c
 
 

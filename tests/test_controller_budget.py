@@ -7,7 +7,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from controller import profiler as profiler_mod
-from controller.budget import COST_CONTEXT_STEP, BudgetController
+from controller.budget import COST_CONTEXT_STEP, PROBE_FLOOR_NODES, BudgetController
 from controller.ceilings import Ceilings
 from controller.cost_model import ModelShape
 from controller.gate import INHERIT_SAMPLES, R_MAX
@@ -560,11 +560,6 @@ def test_a_sample_verifies_a_tree_even_where_the_model_prices_every_node_above_i
     """A latency model that prices C(2) at twice C(1) (a calibration beside a second CPU-heavy
     process) stops the best arm's trees at the root; a sample of an arm still verifies
     PROBE_FLOOR_NODES nodes, so its gain and the cost of a tree are measured."""
-    import torch
-    from controller.budget import PROBE_FLOOR_NODES
-    from drafting.proposal import Marginals
-    from engine.tree import build_tree
-
     ctl = make_controller()
     c = 300
     steep = [0.0, 0.03] + [0.06 + 1e-4 * n for n in range(2, 257)]
