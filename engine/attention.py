@@ -383,6 +383,77 @@ def choose_gqa_packing(dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int, d
     return frozenset(s for s in range(1, max_rows + 1) if best[(s, True)] < margin * best[(s, False)])
 
 
+#: A decode batch's slots may span at most this many times its rows (slots between them run as
+#: discarded rows): beyond it the padding would cost more than the per-row calls it replaces.
+DECODE_SLOT_SPAN = 2
+
+
+class DecodeBatch:
+    """Attention of several one-token rows, each over its own KV slot, as one padded SDPA call
+    per layer instead of one call per row (docs/engine.md, "One attention call for decode rows").
+
+    Every row of a batched plain step attends only to its own slot's cached keys and its own new
+    key. Per-row calls pay a dispatch and a thread-team start each and give two threads three
+    key/value heads of work; one call over the slots' range, padded to the longest row and
+    masked, measured 1.3-1.8x faster per layer from 2 rows up (2-core EPYC, avx2, float32).
+    The padding changes the kernel's summation order, so a row's output agrees with the
+    per-row call to rounding (about 1e-7 relative in float32), as a tree's rows already do.
+
+    The rows' slots must lie within a range of at most DECODE_SLOT_SPAN x rows slots; slots in
+    the range that hold no row are computed as throw-away rows that see key 0 only. Keys past a
+    row's length are read and masked: a released or never-written slot position holds finite
+    values or zeros (KVPool allocates with torch.empty; the OS hands out zeroed pages).
+
+    slots: the rows' KV slots (distinct); lengths: keys each row attends to (its cached tokens
+    plus its own); rows: the rows' indices in the forward's token order. Build with `plan`.
+    """
+
+    __slots__ = ("lo", "hi", "length", "q_rows", "pick", "mask")
+
+    def __init__(self, slots: list[int], lengths: list[int], rows: list[int], device: torch.device | str):
+        self.lo, self.hi = min(slots), max(slots) + 1
+        self.length = max(lengths)
+        span = self.hi - self.lo
+        q_rows = [rows[0]] * span  # throw-away rows reuse a real row's query
+        seen = [1] * span  # a throw-away row sees key 0 only (an all-masked row would give NaN)
+        for slot, n, row in zip(slots, lengths, rows):
+            q_rows[slot - self.lo] = row
+            seen[slot - self.lo] = n
+        self.q_rows = torch.tensor(q_rows, device=device)
+        self.pick = torch.tensor([slot - self.lo for slot in slots], device=device)
+        # [span, 1, 1, length] bool: row r sees keys 0 .. seen[r] - 1
+        self.mask = (torch.arange(self.length, device=device)[None, :]
+                     < torch.tensor(seen, device=device)[:, None])[:, None, None, :]
+
+    @classmethod
+    def plan(cls, slots: list[int], lengths: list[int], rows: list[int],
+             device: torch.device | str) -> "DecodeBatch | None":
+        """A DecodeBatch for these rows, or None when one call would not pay: fewer than two
+        rows, or slots spread over more than DECODE_SLOT_SPAN x rows slots.
+        Raises ValueError when slots repeat or the lists differ in length."""
+        if not len(slots) == len(lengths) == len(rows):
+            raise ValueError("slots, lengths and rows must have one entry per row")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"decode rows share a slot: {slots}")
+        if len(slots) < 2 or max(slots) - min(slots) + 1 > DECODE_SLOT_SPAN * len(slots):
+            return None
+        return cls(slots, lengths, rows, device)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [N, hq, d]: every row of the forward (after rotary); keys, values [slots, hkv, C, d]:
+        one layer of the pool, the rows' new keys already written. Returns [rows, hq * d], the
+        attention output of each row in the order of `slots` (hq a multiple of hkv: query heads
+        stacked per key/value head, as packed_gqa_attention)."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv = keys.shape[1]
+        span = self.hi - self.lo
+        qp = q[self.q_rows].view(span, hkv, hq // hkv, d)
+        out = F.scaled_dot_product_attention(qp, keys[self.lo:self.hi, :, :self.length],
+                                             values[self.lo:self.hi, :, :self.length],
+                                             attn_mask=self.mask, scale=scale)
+        return out.reshape(span, hq * d)[self.pick]
+
+
 def causal_mask(s: int, m: int, device: torch.device | str) -> torch.Tensor:
     """bool [s, m]: row i of s new tokens after m - s cached ones sees keys 0..m - s + i."""
     return torch.ones((s, m), dtype=torch.bool, device=device).tril(diagonal=m - s)

@@ -15,7 +15,9 @@ logits agree to rounding) with:
   backend's own tree kernel otherwise);
 - the drafter's feature layers kept as the loop passes them, nothing else;
 - several sequences ("segments") in one forward: the linears run over all their tokens at
-  once, attention per segment over its own slot (what batched verification needs).
+  once, attention per segment over its own slot (what batched verification needs); the
+  one-token segments of a batched plain step share one padded attention call per layer
+  (engine.attention.DecodeBatch).
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (TreeAttention, causal_attention, causal_mask, choose_gqa_packing, packed_gqa_attention,
-                              tree_attention)
+from engine.attention import (DecodeBatch, TreeAttention, causal_attention, causal_mask, choose_gqa_packing,
+                              packed_gqa_attention, tree_attention)
 from engine.kv_cache import KVPool
 from engine.linear import Linear, choose_packing, choose_row_padding
 
@@ -74,12 +76,16 @@ class TargetForward:
     counts whose attention runs as engine.attention.packed_gqa_attention (None: measure, see
     engine.attention.choose_gqa_packing; an empty set: never). max_positions:
     positions the rotary tables cover (default: the model's context length + TREE_HEADROOM).
+    batch_decode: run the attention of a forward's one-token causal segments as one call per
+    layer (engine.attention.DecodeBatch) when there are two or more; False: one call per segment.
     Raises ValueError for an architecture whose layers do not have the llama layout.
     """
 
     def __init__(self, model, packed: bool | None = None, max_positions: int | None = None,
-                 row_padding: dict[int, int] | None = None, gqa_packing: frozenset[int] | set[int] | None = None):
+                 row_padding: dict[int, int] | None = None, gqa_packing: frozenset[int] | set[int] | None = None,
+                 batch_decode: bool = True):
         cfg = model.config
+        self.batch_decode = bool(batch_decode)
         dec = model.get_decoder()
         self.config = cfg
         self.num_layers = len(dec.layers)
@@ -195,6 +201,7 @@ class TargetForward:
         cos = self.cos[positions][:, None]  # [N, 1, d]
         sin = self.sin[positions][:, None]
         write = self._write_index(segments) if len(segments) > 1 else None
+        decode = self._decode_batch(segments) if write is not None and self.batch_decode else None
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
             qkv = layer.qkv(h).view(N, hq + 2 * hkv, d)
@@ -208,28 +215,7 @@ class TargetForward:
             if write is not None:  # every segment's new rows in one scatter per tensor
                 pool.keys[i].index_put_(write, k)
                 pool.values[i].index_put_(write, v)
-            outs = []
-            row = 0
-            for s, (all_keys, all_values) in zip(segments, views):
-                end = row + s.n
-                keys, values = all_keys[i], all_values[i]
-                if write is None:
-                    keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
-                    values[:, s.start:].copy_(v[row:end].transpose(0, 1))
-                qs = q[row:end].transpose(0, 1)[None]
-                if s.n in self.gqa_packing and (s.tree is None or backend == "sdpa"):
-                    if s.tree is not None:
-                        mask = s.tree.visible()
-                    else:
-                        mask = None if s.n == 1 else causal_mask(s.n, s.start + s.n, qs.device)
-                    o = packed_gqa_attention(qs, keys[None], values[None], self.scale, mask)
-                elif s.tree is None:
-                    o = causal_attention(qs, keys[None], values[None], self.scale)
-                else:
-                    o = tree_attention(backend, qs, keys[None], values[None], s.tree, self.scale)
-                outs.append(o[0].transpose(0, 1).reshape(s.n, hq * d))
-                row = end
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            attn = self._attention(i, q, k, v, pool, segments, views, write is not None, decode, backend)
             x = x + layer.o(attn)
             h = self._rms(x, layer.ln2)
             gu = layer.gate_up(h)
@@ -247,6 +233,57 @@ class TargetForward:
         logits = self.lm_head(x)
         feats = torch.cat([kept[j] for j in feature_layers], dim=-1) if feature_layers else None
         return logits, feats
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
+                   segments: list[Segment], views: list, written: bool,
+                   decode: tuple[DecodeBatch, frozenset[int]] | None, backend: str) -> torch.Tensor:
+        """Layer i's attention output [N, hq * d] for the forward's rows (q [N, hq, d]; k, v
+        [N, hkv, d], already in the pool when `written`, else copied into each segment's slot here)."""
+        hq, d = self.hq, self.head_dim
+        decode_out = None if decode is None else decode[0](q, pool.keys[i], pool.values[i], self.scale)
+        if decode is not None and len(decode[1]) == len(segments):
+            return decode_out  # every segment a decode row, in segment order
+        outs = []
+        row = decoded = 0
+        for j, (s, (all_keys, all_values)) in enumerate(zip(segments, views)):
+            end = row + s.n
+            if decode is not None and j in decode[1]:
+                outs.append(decode_out[decoded:decoded + 1])
+                decoded += 1
+                row = end
+                continue
+            keys, values = all_keys[i], all_values[i]
+            if not written:
+                keys[:, s.start:].copy_(k[row:end].transpose(0, 1))
+                values[:, s.start:].copy_(v[row:end].transpose(0, 1))
+            qs = q[row:end].transpose(0, 1)[None]
+            if s.n in self.gqa_packing and (s.tree is None or backend == "sdpa"):
+                if s.tree is not None:
+                    mask = s.tree.visible()
+                else:
+                    mask = None if s.n == 1 else causal_mask(s.n, s.start + s.n, qs.device)
+                o = packed_gqa_attention(qs, keys[None], values[None], self.scale, mask)
+            elif s.tree is None:
+                o = causal_attention(qs, keys[None], values[None], self.scale)
+            else:
+                o = tree_attention(backend, qs, keys[None], values[None], s.tree, self.scale)
+            outs.append(o[0].transpose(0, 1).reshape(s.n, hq * d))
+            row = end
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode_batch(self, segments: list[Segment]) -> tuple[DecodeBatch, frozenset[int]] | None:
+        """(the DecodeBatch of the segments that are one causal token each, their indices in
+        `segments`), or None when fewer than two are or their slots are too spread out."""
+        picked, row = [], 0
+        for j, s in enumerate(segments):
+            if s.n == 1 and s.tree is None:
+                picked.append((j, row))
+            row += s.n
+        if len(picked) < 2:
+            return None
+        plan = DecodeBatch.plan([segments[j].slot for j, _ in picked], [segments[j].start + 1 for j, _ in picked],
+                                [r for _, r in picked], self.device)
+        return None if plan is None else (plan, frozenset(j for j, _ in picked))
 
     def _write_index(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Indices (slot [N, 1], head [1, h_kv], position [N, 1]) that scatter the N new rows'

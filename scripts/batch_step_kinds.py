@@ -1,9 +1,9 @@
-"""Batched steps by kind at 8 clients: bastion and AR served through the scheduler (closed-loop
+"""Batched steps by kind at CLIENTS clients (default 8): bastion and AR served through the scheduler (closed-loop
 clients, as `bastion bench --concurrency` runs them), each engine step timed and classed (plain,
 free proposal, full draft; with or without a prompt chunk riding along), for one float32 engine.
-Prints each cell's tokens/s and, per (mode, kind, batch size) for batches of 7-8 without prompt
+Prints each cell's tokens/s and, per (mode, kind, batch size) for batches of CLIENTS - 1 .. CLIENTS (at least 2) without prompt
 chunks, the step's wall and phase times, nodes and tokens per sequence, and where each cell's
-time went. Usage: python scripts/batch_step_kinds.py [PASSES] [--out FILE.json]"""
+time went. Usage: python scripts/batch_step_kinds.py [PASSES] [--clients CLIENTS] [--out FILE.json]"""
 import argparse, collections, json, statistics, time
 import torch
 from bastion.concurrency import run_cell
@@ -15,6 +15,7 @@ from engine.sampling import SamplingParams
 
 ap = argparse.ArgumentParser()
 ap.add_argument("passes", nargs="?", type=int, default=2)
+ap.add_argument("--clients", type=int, default=8)
 ap.add_argument("--out", default=None)
 args = ap.parse_args()
 torch.set_num_threads(2)
@@ -42,17 +43,17 @@ del log[:]
 for rep in range(args.passes):
     for e, name in ((ar, "ar"), (eng, "bastion")) if rep % 2 == 0 else ((eng, "bastion"), (ar, "ar")):
         start = len(log)
-        cell = run_cell(e, name, prompts, 8, 3, SamplingParams(max_tokens=64))
+        cell = run_cell(e, name, prompts, args.clients, 3, SamplingParams(max_tokens=64))
         rs = log[start:]
         for r in rs:
             r["rep"] = rep
         print(f"{name} pass {rep}: {cell.tokens_per_s:.1f} tok/s, batch {cell.mean_batch:.2f}, "
               f"{cell.nodes_per_forward:.2f} nodes/forward; time in steps with prompt chunks "
-              f"{sum(r['wall'] for r in rs if r['pre']):.1f} s, in steps of fewer than 8 sequences without "
-              f"{sum(r['wall'] for r in rs if r['b'] < 8 and not r['pre']):.1f} s", flush=True)
+              f"{sum(r['wall'] for r in rs if r['pre']):.1f} s, in steps of fewer than {args.clients} sequences without "
+              f"{sum(r['wall'] for r in rs if r['b'] < args.clients and not r['pre']):.1f} s", flush=True)
 groups = collections.defaultdict(list)
 for r in log:
-    if r["pre"] == 0 and r["b"] >= 7:
+    if r["pre"] == 0 and r["b"] >= max(args.clients - 1, 2):
         groups[(r["mode"], r["kind"], r["b"])].append(r)
 for key, rs in sorted(groups.items()):
     print(key, "steps %d, wall %.1f ms, phases %.1f ms, nodes %.1f, tokens/seq %.2f" % (

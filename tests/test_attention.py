@@ -230,6 +230,73 @@ def test_segments_of_one_forward_equal_each_sequence_alone():
     assert torch.allclose(both.keys[:, 1, :, :20], alone.keys[:, 1, :, :20], atol=1e-6)
 
 
+def test_one_decode_call_equals_per_row_attention_over_each_slot():
+    """DecodeBatch: one-token rows over slots 5, 2, 3 (slot 4 between them holds no row, a
+    throw-away row) with 3 to 200 keys each give each row's own per-slot attention to rounding;
+    garbage past a row's length in its slot is masked."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d = 8, 2, 16
+    keys, values = torch.randn(6, hkv, 256, d, generator=g), torch.randn(6, hkv, 256, d, generator=g)
+    slots, lengths, rows = [5, 2, 3], [200, 3, 57], [2, 0, 1]
+    q = torch.randn(3, hq, d, generator=g)
+    plan = attn.DecodeBatch.plan(slots, lengths, rows, "cpu")
+    assert (plan.lo, plan.hi, plan.length) == (2, 6, 200)
+    got = plan(q, keys, values, d ** -0.5)
+    assert got.shape == (3, hq * d)
+    for i, (slot, n, row) in enumerate(zip(slots, lengths, rows)):
+        ref = attn.packed_gqa_attention(q[row:row + 1].transpose(0, 1)[None], keys[slot:slot + 1, :, :n],
+                                        values[slot:slot + 1, :, :n], d ** -0.5)
+        assert torch.allclose(got[i], ref[0].transpose(0, 1).reshape(hq * d), atol=1e-6), i
+    keys[2, :, 3:] = 1e4  # past row 1's three keys: must not reach it
+    assert torch.allclose(plan(q, keys, values, d ** -0.5)[1], got[1], atol=1e-6)
+
+
+def test_a_decode_call_is_planned_only_where_it_pays_and_for_distinct_slots():
+    assert attn.DecodeBatch.plan([3], [10], [0], "cpu") is None  # one row: the per-row call
+    # slots spread over more than DECODE_SLOT_SPAN x rows: throw-away rows would outnumber the real ones
+    assert attn.DecodeBatch.plan([0, 4 * attn.DECODE_SLOT_SPAN], [5, 5], [0, 1], "cpu") is None
+    assert attn.DecodeBatch.plan([0, 3], [5, 5], [0, 1], "cpu") is not None
+    with pytest.raises(ValueError, match="share a slot"):
+        attn.DecodeBatch.plan([1, 1], [5, 6], [0, 1], "cpu")
+    with pytest.raises(ValueError, match="one entry per row"):
+        attn.DecodeBatch.plan([0, 1], [5], [0, 1], "cpu")
+
+
+def test_a_forward_of_decode_rows_beside_a_tree_and_a_chunk_equals_per_segment_calls(monkeypatch):
+    """The engine's forward with one decode call (batch_decode) and with one call per segment:
+    three one-token rows, a tree and a prompt chunk in one forward give the same logits and
+    pool contents to rounding, and the same greedy tokens."""
+    model = _tiny("llama")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (11, 5, 17, 9)]
+    tree = _random_tree(6, seed=9)
+    chunk = torch.randint(0, 64, (7,), generator=g)
+    calls = []
+    one_call = attn.DecodeBatch.__call__
+    monkeypatch.setattr(attn.DecodeBatch, "__call__", lambda self, *a: calls.append(1) or one_call(self, *a))
+    results = []
+    for batch_decode in (True, False):
+        fwd = TargetForward(model, packed=False, batch_decode=batch_decode)
+        pool = fwd.new_pool(6, 64)
+        for slot, ids in enumerate(prompts):
+            fwd(pool, ids, torch.arange(len(ids)), [Segment(slot, 0, len(ids))])
+        nxt = torch.tensor([1, 2, 3])
+        tokens = torch.cat([nxt, tree.tokens, chunk])
+        positions = torch.cat([torch.tensor([11, 5, 17]), tree.position_ids(9)[0], torch.arange(7)])
+        segments = [Segment(0, 11, 1), Segment(1, 5, 1), Segment(2, 17, 1),
+                    Segment(3, 9, 6, TreeAttention.from_tree(tree, 9, "cpu")), Segment(5, 0, 7)]
+        calls.clear()
+        logits, _ = fwd(pool, tokens, positions, segments)
+        assert len(calls) == (2 if batch_decode else 0)  # one call per layer, the three rows together
+        assert fwd._decode_batch(segments)[1] == {0, 1, 2}
+        written = [(0, 12), (1, 6), (2, 18), (3, 15), (5, 7)]  # (slot, tokens written)
+        results.append((logits, torch.cat([pool.keys[:, s, :, :n].flatten() for s, n in written])))
+    (a, ka), (b, kb) = results
+    assert torch.allclose(a, b, atol=1e-5)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert torch.allclose(ka, kb, atol=1e-6)
+
+
 def test_a_segment_past_its_slot_is_refused_before_any_write():
     from engine.kv_cache import CacheCapacityError
 
