@@ -401,8 +401,8 @@ class DecodeBatch:
 
     The rows' slots must lie within a range of at most DECODE_SLOT_SPAN x rows slots; slots in
     the range that hold no row are computed as throw-away rows that see key 0 only. Keys past a
-    row's length are read and masked: a released or never-written slot position holds finite
-    values or zeros (KVPool allocates with torch.empty; the OS hands out zeroed pages).
+    row's length are read and masked: a slot position holds an earlier occupant's finite values
+    or zeros (engine.kv_cache), never a NaN that a mask could not hide.
 
     slots: the rows' KV slots (distinct); lengths: keys each row attends to (its cached tokens
     plus its own); rows: the rows' indices in the forward's token order. Build with `plan`.

@@ -9,9 +9,9 @@ reads a view of the valid prefix and writes into the rows after it. After accept
 source and destination ranges overlap), for every layer in one indexing op.
 
 Several slots share the tensor so that a batched step can verify every running sequence's
-tree in one forward (each tree attends only to its own slot). The storage is allocated with
-`torch.empty`: on a CPU the pages of unused capacity are never touched, so a long capacity
-costs address space, not memory, until tokens are written.
+tree in one forward (each tree attends only to its own slot). Positions a sequence never wrote
+hold zeros (`_storage`): one attention call for several one-token rows reads each slot up to
+the longest row and masks the rest (engine.attention.DecodeBatch), and a mask cannot hide a NaN.
 """
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ class CacheCapacityError(ValueError):
 
 class SlotsExhaustedError(RuntimeError):
     """Every slot of the pool is held by a sequence."""
+
+
+#: A CPU tensor this large (bytes) comes from the OS as fresh, zeroed pages (glibc serves
+#: allocations over 32 MiB with mmap at any setting of its adaptive threshold).
+ZEROED_BY_OS_BYTES = 64 << 20
+
+
+def _storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor of `shape`. A large CPU one is allocated with torch.empty: its pages come
+    zeroed from the OS and stay untouched until written, so a long capacity costs address
+    space, not memory. Anything smaller, or on another device (whose caching allocator reuses
+    freed blocks), is zero-filled."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type != "cpu" or t.numel() * t.element_size() < ZEROED_BY_OS_BYTES:
+        t.zero_()
+    return t
 
 
 class KVPool:
@@ -39,8 +55,8 @@ class KVPool:
             raise ValueError(f"every KV pool dimension must be >= 1, got layers={num_layers} slots={slots} "
                              f"kv_heads={kv_heads} capacity={capacity} head_dim={head_dim}")
         shape = (num_layers, slots, kv_heads, capacity, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.keys = _storage(shape, dtype, device)
+        self.values = _storage(shape, dtype, device)
         self.capacity = int(capacity)
         self.num_slots = int(slots)
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -68,7 +84,7 @@ class KVPool:
             return
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = torch.empty((old.shape[0], slots) + tuple(old.shape[2:]), dtype=old.dtype, device=old.device)
+            new = _storage((old.shape[0], slots) + tuple(old.shape[2:]), old.dtype, old.device)
             new[:, : self.num_slots] = old
             setattr(self, name, new)
         self._free = list(range(slots - 1, self.num_slots - 1, -1)) + self._free

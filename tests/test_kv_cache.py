@@ -206,3 +206,14 @@ def test_auto_dtype_is_measured_once_and_kept_for_later_starts(monkeypatch, tmp_
     assert len(calls) == 3  # another machine measures anew
     loader.auto_dtype(tiny_target(vocab=32, layers=2, hidden=32).model, "tiny", (1,), 1)
     assert len(calls) == 4  # without the machine's identity nothing is kept
+
+
+def test_positions_never_written_hold_zeros_even_in_reused_memory():
+    """One attention call for several decode rows reads each slot past its length and masks it
+    (engine.attention.DecodeBatch): a NaN left there by freed memory would poison the row."""
+    for _ in range(3):  # leave NaN-filled blocks of the pool's size for the allocator to hand back
+        torch.full((2, 3, 2, 40, 8), float("nan"))
+    pool = KVPool(2, 3, 2, 40, 8, torch.float32, "cpu")
+    assert pool.keys.abs().sum().item() == 0 and pool.values.abs().sum().item() == 0
+    pool.grow(5)
+    assert torch.isfinite(pool.keys).all() and pool.keys[:, 3:].abs().sum().item() == 0
