@@ -439,6 +439,11 @@ class DecodeBatch:
             return None
         return cls(slots, lengths, rows, device)
 
+    @property
+    def rows(self) -> int:
+        """Rows this batch computes (the throw-away rows not counted)."""
+        return int(self.pick.shape[0])
+
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
         """q [N, hq, d]: every row of the forward (after rotary); keys, values [slots, hkv, C, d]:
         one layer of the pool, the rows' new keys already written. Returns [rows, hq * d], the

@@ -236,18 +236,19 @@ class TargetForward:
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
                    segments: list[Segment], views: list, written: bool,
-                   decode: tuple[DecodeBatch, frozenset[int]] | None, backend: str) -> torch.Tensor:
+                   decode: DecodeBatch | None, backend: str) -> torch.Tensor:
         """Layer i's attention output [N, hq * d] for the forward's rows (q [N, hq, d]; k, v
-        [N, hkv, d], already in the pool when `written`, else copied into each segment's slot here)."""
+        [N, hkv, d], already in the pool when `written`, else copied into each segment's slot here).
+        decode: `_decode_batch`, which then covers every one-token causal segment."""
         hq, d = self.hq, self.head_dim
-        decode_out = None if decode is None else decode[0](q, pool.keys[i], pool.values[i], self.scale)
-        if decode is not None and len(decode[1]) == len(segments):
+        decode_out = None if decode is None else decode(q, pool.keys[i], pool.values[i], self.scale)
+        if decode is not None and decode.rows == len(segments):
             return decode_out  # every segment a decode row, in segment order
         outs = []
         row = decoded = 0
-        for j, (s, (all_keys, all_values)) in enumerate(zip(segments, views)):
+        for s, (all_keys, all_values) in zip(segments, views):
             end = row + s.n
-            if decode is not None and j in decode[1]:
+            if decode is not None and s.n == 1 and s.tree is None:
                 outs.append(decode_out[decoded:decoded + 1])
                 decoded += 1
                 row = end
@@ -271,19 +272,15 @@ class TargetForward:
             row = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _decode_batch(self, segments: list[Segment]) -> tuple[DecodeBatch, frozenset[int]] | None:
-        """(the DecodeBatch of the segments that are one causal token each, their indices in
-        `segments`), or None when fewer than two are or their slots are too spread out."""
-        picked, row = [], 0
-        for j, s in enumerate(segments):
-            if s.n == 1 and s.tree is None:
-                picked.append((j, row))
-            row += s.n
+    def _decode_batch(self, segments: list[Segment]) -> DecodeBatch | None:
+        """The DecodeBatch of every segment that is one causal token, or None when fewer than two
+        are or their slots are too spread out (DecodeBatch.plan)."""
+        rows = list(itertools.accumulate((s.n for s in segments), initial=0))
+        picked = [(s, r) for s, r in zip(segments, rows) if s.n == 1 and s.tree is None]
         if len(picked) < 2:
             return None
-        plan = DecodeBatch.plan([segments[j].slot for j, _ in picked], [segments[j].start + 1 for j, _ in picked],
+        return DecodeBatch.plan([s.slot for s, _ in picked], [s.start + 1 for s, _ in picked],
                                 [r for _, r in picked], self.device)
-        return None if plan is None else (plan, frozenset(j for j, _ in picked))
 
     def _write_index(self, segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Indices (slot [N, 1], head [1, h_kv], position [N, 1]) that scatter the N new rows'

@@ -288,7 +288,7 @@ def test_a_forward_of_decode_rows_beside_a_tree_and_a_chunk_equals_per_segment_c
         calls.clear()
         logits, _ = fwd(pool, tokens, positions, segments)
         assert len(calls) == (2 if batch_decode else 0)  # one call per layer, the three rows together
-        assert fwd._decode_batch(segments)[1] == {0, 1, 2}
+        assert fwd._decode_batch(segments).rows == 3
         written = [(0, 12), (1, 6), (2, 18), (3, 15), (5, 7)]  # (slot, tokens written)
         results.append((logits, torch.cat([pool.keys[:, s, :, :n].flatten() for s, n in written])))
     (a, ka), (b, kb) = results
