@@ -201,11 +201,18 @@ class StepAccounting:
         return self.ar_probe_s
 
     def speedup(self) -> float:
-        """AR step seconds x recent tokens per second over every step; 1.0 when undefined."""
-        ar = self.ar_step_s
-        if ar is None or self._seconds <= 0:
+        """AR step seconds x recent tokens per second over every step; 1.0 when undefined.
+
+        With measured root-only steps it is (ar_s x tokens) / (ar_w x seconds), one division, so
+        a run of plain steps only (ar_s == seconds, ar_w == tokens) reads exactly 1.0.
+        """
+        if self._seconds <= 0:
             return 1.0
-        return ar * self._tokens / self._seconds
+        if self._ar_w > 1e-9:
+            return (self._ar_s * self._tokens) / (self._ar_w * self._seconds)
+        if self.ar_probe_s is None:
+            return 1.0
+        return self.ar_probe_s * self._tokens / self._seconds
 
     def snapshot(self) -> "StepAccounting":
         """A consistent copy of the totals, taken under the lock (for exporters)."""
