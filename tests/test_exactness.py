@@ -32,6 +32,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32
 RANDOM_TOKENS = 16  # the random drafter is rejected at almost every step: 16 steps cover that path
+RANDOM_PROMPTS = slice(None, None, 2)  # ... and every other prompt does (160 rejected trees a mode)
 MODES = [("chain", 16), ("tree", 8), ("tree", 32), ("tree", 128)]
 
 
@@ -54,7 +55,7 @@ def test_engine_ar_equals_transformers_generate(target_f32, references):
 def test_random_drafter_modes_equal_ar(target_f32, random_drafter, references):
     for mode, budget in MODES:
         eng = Engine(target_f32, random_drafter, make_controller(mode, budget))
-        for ids, ref in references:
+        for ids, ref in references[RANDOM_PROMPTS]:
             r = eng.generate(ids, SamplingParams(max_tokens=RANDOM_TOKENS))
             assert r.token_ids == ref[:RANDOM_TOKENS], (mode, budget)
             assert all(s.tree_size <= (16 if mode == "chain" else budget) for s in r.steps)
