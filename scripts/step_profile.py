@@ -45,14 +45,14 @@ for rows in (1, 8):
         for _ in range(5):
             fwd(*args, last_only=True)
     parts = {"linears": 0.0, "attention": 0.0, "other": 0.0}
-    calls = 0
+    events = 0
     for ev in p.key_averages():
         key = ("linears" if "linear" in ev.key or "addmm" in ev.key
                else "attention" if "scaled_dot_product" in ev.key else "other")
         parts[key] += ev.self_cpu_time_total / 5e3
-        calls += ev.count / 5
+        events += ev.count / 5
     print(f"{rows} rows, context {ctx}: step {step_ms(rows):.1f} ms; profiled "
-          + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()) + f"; {calls:.0f} op calls a step", flush=True)
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in parts.items()) + f"; {events:.0f} profiler events a step", flush=True)
 
 rms, rope = TargetForward.__dict__["_rms"], TargetForward.__dict__["_rope"]
 variants = {"as shipped": (rms, rope), "RMSNorm -> x * w": (lambda self, x, w: x * w, rope),
