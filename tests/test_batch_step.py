@@ -405,8 +405,20 @@ def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(ta
                 return Broken()
             return super().propose(state, root, max_depth)
 
-    # Every step drafts, so the broken proposal is read inside the shared heap.
-    eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), _bastion_controller(arms=("draft",)))
+    # Every step drafts, so the broken proposal is read inside the shared heap: the class gates
+    # have the draft arm only, and every request's own gate is forced to it (left free, it judges
+    # drafting by measured step times, and on a busy machine it kept the request out of every
+    # draft, so no proposal of it was ever read).
+    ctl = _bastion_controller(arms=("draft",))
+    own_gates = ctl.sequence_state
+
+    def drafting_gates():
+        state = own_gates()
+        state.batch.force("draft")
+        return state
+
+    ctl.sequence_state = drafting_gates
+    eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), ctl)
     seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS8[:4])}
     outs, errors = step_all(eng, seqs)
     assert set(errors) == {2} and "broken proposal" in str(errors[2])
