@@ -54,8 +54,9 @@ _PLAIN_POLICY = AdaptivePolicy([0.0, 0.0], 0.0, 1, 1)
 class RequestGates:
     """One request's own gates, kept in its engine Sequence (`BudgetController.sequence_state`).
 
-    batch: arms draft and plain, judged by the request's marginal gain inside batched steps
-    (docs/method.md, section 9). solo: the shared gate's arms (draft, cheap and plain when
+    batch: arms draft and plain (those of them the controller's gate has: a controller that
+    always drafts leaves no request out), judged by the request's marginal gain inside batched
+    steps (docs/method.md, section 9). solo: the shared gate's arms (draft, cheap and plain when
     serving) for the steps it runs alone, created at its first such step from the controller's
     shared gate, whose averages count as gate.INHERIT_SAMPLES samples each (docs/method.md, section 8):
     a prompt on which an arm stops paying turns it down within a few of its own steps, while the
@@ -547,9 +548,11 @@ class BudgetController:
         """A request's own gates (RequestGates): for batched steps (arms draft and plain;
         docs/method.md, section 9), whether drafting pays for this request, judged by its
         marginal gain (`observe_batch`); for its single-sequence steps, all three arms, started
-        from the shared gate (`solo_gate`)."""
+        from the shared gate (`solo_gate`). Its batch gate keeps only the arms the controller's
+        gate has (a gate of the draft arm alone drafts every sequence of every step)."""
+        arms = tuple(a for a in ("draft", "plain") if a in self._gate_proto[2]) or ("plain",)
         # its bar is set per step from the step's batch size (`sequence_drafts`)
-        return RequestGates(self._batch_gate(("draft", "plain"), BATCH_SPECULATION_BAR))
+        return RequestGates(self._batch_gate(arms, BATCH_SPECULATION_BAR))
 
     def _batch_gate(self, arms: tuple[str, ...], bar: float) -> SpeculationGate:
         """A gate of batched steps (a batch-size class's, a request's inside batches): one average,
@@ -655,10 +658,11 @@ class BudgetController:
             for state, marginal in zip(states, self.marginal_gains(stats, plain_s)):
                 if state is None:
                     continue
-                if marginal is None:
-                    state.batch.record("plain")
-                else:
-                    state.batch.record("draft", *marginal)
+                arm = "plain" if marginal is None else "draft"
+                if arm in state.batch.arms:
+                    state.batch.record(arm, *(marginal or ()))
+                else:  # a gate without that arm (`sequence_state`): time passes
+                    state.batch.tick()
         for st, tree in zip(stats, trees):
             if st.drafted or st.cheap:
                 sur = self.surrogate_for(st.cheap)

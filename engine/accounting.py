@@ -193,26 +193,29 @@ class StepAccounting:
             self.step_nodes.observe(sum(sizes))
             self.step_speculative.observe(sum(sizes) - len(sizes))
 
+    def _ar_sums(self) -> tuple[float, float] | None:
+        """(seconds, weight) whose ratio is the AR step time: the decayed root-only sums while any
+        are recorded, else (the start-up probe, 1), else None."""
+        if self._ar_w > 1e-9:
+            return self._ar_s, self._ar_w
+        return None if self.ar_probe_s is None else (self.ar_probe_s, 1.0)
+
     @property
     def ar_step_s(self) -> float | None:
         """Recent mean seconds of a whole root-only step, else the start-up probe, else None."""
-        if self._ar_w > 1e-9:
-            return self._ar_s / self._ar_w
-        return self.ar_probe_s
+        sums = self._ar_sums()
+        return None if sums is None else sums[0] / sums[1]
 
     def speedup(self) -> float:
         """AR step seconds x recent tokens per second over every step; 1.0 when undefined.
 
-        With measured root-only steps it is (ar_s x tokens) / (ar_w x seconds), one division, so
-        a run of plain steps only (ar_s == seconds, ar_w == tokens) reads exactly 1.0.
+        Computed as (ar_s x tokens) / (ar_w x seconds), one division, so a run of plain steps
+        only (ar_s == seconds, ar_w == tokens) reads exactly 1.0.
         """
-        if self._seconds <= 0:
+        sums = self._ar_sums()
+        if sums is None or self._seconds <= 0:
             return 1.0
-        if self._ar_w > 1e-9:
-            return (self._ar_s * self._tokens) / (self._ar_w * self._seconds)
-        if self.ar_probe_s is None:
-            return 1.0
-        return self.ar_probe_s * self._tokens / self._seconds
+        return (sums[0] * self._tokens) / (sums[1] * self._seconds)
 
     def snapshot(self) -> "StepAccounting":
         """A consistent copy of the totals, taken under the lock (for exporters)."""

@@ -248,7 +248,7 @@ class TargetForward:
         row = decoded = 0
         for s, (all_keys, all_values) in zip(segments, views):
             end = row + s.n
-            if decode is not None and s.n == 1 and s.tree is None:
+            if decode is not None and self._is_decode_row(s):
                 outs.append(decode_out[decoded:decoded + 1])
                 decoded += 1
                 row = end
@@ -272,11 +272,16 @@ class TargetForward:
             row = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    @staticmethod
+    def _is_decode_row(s: Segment) -> bool:
+        """One causal token: a row `_decode_batch` plans into its single attention call."""
+        return s.n == 1 and s.tree is None
+
     def _decode_batch(self, segments: list[Segment]) -> DecodeBatch | None:
         """The DecodeBatch of every segment that is one causal token, or None when fewer than two
         are or their slots are too spread out (DecodeBatch.plan)."""
         rows = list(itertools.accumulate((s.n for s in segments), initial=0))
-        picked = [(s, r) for s, r in zip(segments, rows) if s.n == 1 and s.tree is None]
+        picked = [(s, r) for s, r in zip(segments, rows) if self._is_decode_row(s)]
         if len(picked) < 2:
             return None
         return DecodeBatch.plan([s.slot for s, _ in picked], [s.start + 1 for s, _ in picked],

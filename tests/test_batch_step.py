@@ -405,19 +405,10 @@ def test_a_proposal_that_fails_inside_the_global_heap_fails_only_its_sequence(ta
                 return Broken()
             return super().propose(state, root, max_depth)
 
-    # Every step drafts, so the broken proposal is read inside the shared heap: the class gates
-    # have the draft arm only, and every request's own gate is forced to it (left free, it judges
-    # drafting by measured step times, and on a busy machine it kept the request out of every
-    # draft, so no proposal of it was ever read).
+    # Every step drafts, so the broken proposal is read inside the shared heap: the controller's
+    # gate has the draft arm alone, and so has every request's own (BudgetController.sequence_state;
+    # with a plain arm, measured step times on a busy machine kept the request out of every draft).
     ctl = _bastion_controller(arms=("draft",))
-    own_gates = ctl.sequence_state
-
-    def drafting_gates():
-        state = own_gates()
-        state.batch.force("draft")
-        return state
-
-    ctl.sequence_state = drafting_gates
     eng = Engine(target, BreaksForOnePrompt(refs, decoy_every=3), ctl)
     seqs = {i: eng.start(p, SamplingParams(max_tokens=N)) for i, p in enumerate(PROMPTS8[:4])}
     outs, errors = step_all(eng, seqs)
